@@ -1,0 +1,43 @@
+"""The seam between adapter loading (PEFT folders, the adapter store) and the pager/kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# The projections an adapter may target, in the fixed order used by page layouts and kernels.
+TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_INDEX: dict[str, int] = {name: i for i, name in enumerate(TARGET_MODULES)}
+
+
+@dataclass(frozen=True)
+class LoraModuleWeights:
+    """One LoRA pair on one projection of one layer: delta(x) = scale * (x @ a.T) @ b.T."""
+
+    layer: int
+    module: str  # one of TARGET_MODULES
+    rank: int
+    scale: float  # lora_alpha / rank, or lora_alpha / sqrt(rank) with rslora
+    a: torch.Tensor  # [rank, in_features]   (PEFT's lora_A.weight)
+    b: torch.Tensor  # [out_features, rank]  (PEFT's lora_B.weight)
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated adapter, held on the host, ready to be placed in the page pool."""
+
+    name: str
+    modules: tuple[LoraModuleWeights, ...]  # sorted by (layer, MODULE_INDEX[module])
+    max_rank: int
+    source: str = ""  # where it was read from, for messages
+    config: dict = field(default_factory=dict, compare=False, repr=False)  # the raw adapter_config.json
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules)
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        present = {m.module for m in self.modules}
+        return tuple(name for name in TARGET_MODULES if name in present)

@@ -1,0 +1,1 @@
+"""unified_pager."""
