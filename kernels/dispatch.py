@@ -1,0 +1,62 @@
+"""One dispatcher for every kernel the model calls: the torch path or the Triton path.
+
+The choice is made once, when the engine starts, from the engine config (which reads
+LORAPLEX_KERNELS), never per call: "auto" takes Triton for CUDA tensors and torch otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from loraplex.errors import ConfigError
+
+from . import torch_attention, torch_sgmv
+
+KERNEL_CHOICES = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernel set the model runs with; every backend provides the same signatures."""
+
+    name: str
+    write_kv: Callable  # (kv_pool, k, v, attn_meta, layer) -> None
+    paged_attention: Callable  # (q, kv_pool, attn_meta, layer, scale) -> out
+    lora_shrink: Callable  # (x, pool_rows, lora_batch, layer, module) -> s
+    lora_expand: Callable  # (y, s, pool_rows, lora_batch, layer, module) -> None
+    apply_lora: Callable  # (y, x, pool_rows, lora_batch, layer, module) -> None
+
+
+TORCH_OPS = KernelOps(
+    name="torch",
+    write_kv=torch_attention.write_kv,
+    paged_attention=torch_attention.paged_attention,
+    lora_shrink=torch_sgmv.lora_shrink,
+    lora_expand=torch_sgmv.lora_expand,
+    apply_lora=torch_sgmv.apply_lora,
+)
+
+
+def _triton_ops() -> KernelOps | None:
+    """The Triton kernel set, or None where Triton or its kernels are not available."""
+    try:
+        from . import triton_ops  # noqa: F401  (arrives with the Triton kernels)
+    except ImportError:
+        return None
+    return triton_ops.TRITON_OPS
+
+
+def select_kernels(device: torch.device, choice: str = "auto") -> KernelOps:
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"kernel backend {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    if choice == "torch":
+        return TORCH_OPS
+    triton = _triton_ops()
+    if choice == "triton":
+        if triton is None:
+            raise ConfigError("kernel backend 'triton' was asked for but the Triton kernels are not available")
+        return triton
+    return triton if (triton is not None and device.type == "cuda") else TORCH_OPS

@@ -1,0 +1,151 @@
+"""AsyncEngine: the engine's step loop in its own thread, streams of outputs for asyncio callers.
+
+The step loop never waits on the caller: add and abort are queued as commands that the loop
+applies between steps, and outputs go back to each caller's asyncio queue through
+call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from loraplex.config import EngineConfig
+
+from .engine_core import EngineCore
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    adapter: str | None
+    sink: "_Sink"
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Sink:
+    """Delivers outputs from the engine thread to one asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed; no further request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: EngineCore | None = None):
+        self.engine = engine if engine is not None else EngineCore(config or EngineConfig())
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (event loop) --------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step; the last one has finished=True. If the
+        caller stops iterating (a client hung up), the request is aborted."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        rid = request_id or f"async-{uuid.uuid4().hex}"
+        sink = _Sink(asyncio.get_running_loop())
+        self._send(_Add(rid, prompt, params, adapter, sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def _send(self, cmd) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # -- engine side (thread) ------------------------------------------------------------------
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.prompt, cmd.params, cmd.adapter, cmd.request_id)
+                    self._sinks[cmd.request_id] = cmd.sink
+                except Exception as e:  # refused: the caller gets the error, the engine is unchanged
+                    cmd.sink.put(e)
+            else:
+                out = self.engine.abort_request(cmd.request_id)
+                sink = self._sinks.pop(cmd.request_id, None)
+                if sink is not None and out is not None:
+                    sink.put(out)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                # Clear before reading commands: a command sent after this point wakes the wait.
+                self._wake.clear()
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.5)
+                    continue
+                for out in self.engine.step():
+                    sink = self._sinks.get(out.request_id)
+                    if sink is not None:
+                        sink.put(out)
+                        if out.finished:
+                            del self._sinks[out.request_id]
+        except BaseException as e:  # a dead engine must be visible, never a silent hang
+            log.exception("engine step loop crashed")
+            self.error = e
+            for sink in self._sinks.values():
+                sink.put(EngineDeadError(f"the engine stopped: {e!r}"))
+            self._sinks.clear()

@@ -1,0 +1,209 @@
+"""EngineCore: step() = schedule, run, postprocess. Synchronous; the async engine drives it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplex.config import DEFAULT_CPU_POOL_BYTES, DEFAULT_GPU_POOL_FRACTION, EngineConfig
+from loraplex.errors import AdapterNotFoundError, CapacityError, RequestError
+from loraplex.kernels import select_kernels
+from loraplex.lora.peft_loader import load_peft_adapter
+from loraplex.lora.types import LoraAdapter
+from loraplex.models.config import ModelConfig, load_model_config
+from loraplex.models.default_model import resolve_model_path
+from loraplex.models.llama import LlamaModel
+from loraplex.models.loader import load_checkpoint_tensors
+from loraplex.unified_pager import PoolGeometry, UnifiedPager
+
+from .adapters import AdapterKey, AdapterTable
+from .model_runner import ModelRunner, RunnerOutput
+from .output_processor import OutputProcessor
+from .request import Request, RequestOutput, RequestStatus
+from .sampler import Sampler, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    total_pages: int
+    free_pages: int
+    kv_pages: int
+    adapter_pages: int
+    resident_adapters: int
+    num_preemptions: int
+    num_steps: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        device, dtype = config.torch_device, config.torch_dtype
+        self.model_path: Path = resolve_model_path(config.model, config.cache_dir)
+        self.model_config: ModelConfig = load_model_config(self.model_path)
+        weights = load_checkpoint_tensors(self.model_path, dtype)
+        self.model = LlamaModel(self.model_config, weights, device, dtype)
+        del weights
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)
+
+        geometry = PoolGeometry.for_model(self.model_config, self._pool_bytes(device), dtype, config.block_size)
+        self.pager = UnifiedPager(geometry, device)
+        self.adapters = AdapterTable(self.pager)
+        self.scheduler = Scheduler(self.pager, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
+        self.ops = select_kernels(device, config.kernels)
+        self.runner = ModelRunner(self.model, self.pager, self.ops, Sampler())
+        self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    def _pool_bytes(self, device: torch.device) -> int:
+        if self.config.pool_bytes is not None:
+            return self.config.pool_bytes
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * DEFAULT_GPU_POOL_FRACTION)
+        return DEFAULT_CPU_POOL_BYTES
+
+    # -- adapters ------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str | Path) -> AdapterKey:
+        adapter = load_peft_adapter(name, path, self.model_config, self.config.max_lora_rank, self.config.torch_dtype)
+        return self.add_adapter(name, adapter)
+
+    def add_adapter(self, name: str, adapter: LoraAdapter, version: str | None = None) -> AdapterKey:
+        return self.adapters.add(name, adapter, version)
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapters.remove(name)
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer files: pass prompts as token-id lists")
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises (changing nothing) if it can never be served."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
+                f"(at least one token must remain for the output)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need tokenizer files, which this model lacks")
+        key = self.adapters.resolve(adapter) if adapter is not None else None
+        adapter_pages = self.pager.geometry.adapter_num_pages(self.adapters.host(key)) if key else 0
+        need = self.pager.geometry.kv_pages_for_tokens(len(ids) + 1) + adapter_pages
+        if not self.pager.can_ever_fit(need):
+            raise CapacityError(
+                f"the request needs {need} pool pages for its prompt and adapter but the pool has "
+                f"{self.pager.geometry.num_pages}; raise pool_bytes or shorten the prompt"
+            )
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            params=params,
+            adapter=adapter,
+            max_total_tokens=self.max_model_len,
+            generator=make_generator(params.seed) if params.seed is not None else None,
+        )
+        self.outputs.add(req)
+        self.requests[rid] = req
+        self.scheduler.add(req, key)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its pages are free before the next step runs."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self.outputs.finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
+        if not sched.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise CapacityError("no waiting request fits in the pool even with nothing running")
+            return []
+        result = self.runner.execute(sched)
+        self.num_steps += 1
+        return self._postprocess(sched, result)
+
+    def _postprocess(self, sched, result: RunnerOutput) -> list[RequestOutput]:
+        now = time.monotonic()
+        outs: list[RequestOutput] = []
+        for chunk in sched.chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_new_tokens
+            span = result.logits.get(req.request_id)
+            if span is not None:
+                first, rows = span
+                assert first == len(req.logits_rows)
+                req.logits_rows.extend(rows.unbind(0))
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue  # a prompt chunk that did not reach the end
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self.outputs.check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                self.requests.pop(req.request_id, None)
+                outs.append(self.outputs.finish(req))
+            else:
+                outs.append(self.outputs.delta(req, [token]))
+        return outs
+
+    def stats(self) -> EngineStats:
+        p = self.pager.stats()
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            total_pages=p.total_pages,
+            free_pages=p.free_pages,
+            kv_pages=p.kv_pages,
+            adapter_pages=p.adapter_pages,
+            resident_adapters=p.resident_adapters,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,151 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over one flattened ragged batch and paged KV.
+
+No padding and no per-request loop over layers: every step runs each layer once over all T
+tokens of the batch (prefill chunks and decode tokens of different requests together). The
+K/V of every token goes into the unified pool; attention reads it back through block tables;
+LoRA deltas are added per token segment by the SGMV kernels, reading adapter rows from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.errors import ModelLoadError
+from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch
+from loraplex.lora.types import MODULE_INDEX
+
+from .config import ModelConfig
+from .rope import RotaryEmbedding
+
+Q, K, V, O = (MODULE_INDEX[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj"))
+GATE, UP, DOWN = (MODULE_INDEX[m] for m in ("gate_proj", "up_proj", "down_proj"))
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [q + 2kv, H]  q, k and v fused: one GEMM instead of three
+    qkv_bias: torch.Tensor | None  # [q + 2kv]
+    o: torch.Tensor  # [H, q]
+    o_bias: torch.Tensor | None  # [H]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2I, H]  gate and up fused
+    gate_up_bias: torch.Tensor | None  # [2I]
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None  # [H]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's flattened batch, as the model runner builds it."""
+
+    input_ids: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    lora: LoraBatch | None  # None when no token of the step uses an adapter
+    logits_index: torch.Tensor  # [N] int64, tokens whose logits are wanted (last of each sequence, ...)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same numerics as transformers' LlamaRMSNorm: normalise in float32, scale in the model dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Holds the weights and runs the forward pass; the KV cache lives in the pager's pool."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.rope = RotaryEmbedding(cfg, device)
+        self.scale = cfg.head_dim**-0.5
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = weights.get(name)
+            if t is None:
+                if required:
+                    raise ModelLoadError(f"checkpoint has no tensor {name!r}")
+                return None
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
+            return None if any(t is None for t in ts) else torch.cat(ts, dim=0).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ModelLoadError(
+                f"embed_tokens has shape {tuple(self.embed.shape)}, config says ({cfg.vocab_size}, {cfg.hidden_size})"
+            )
+        self.final_norm = take("model.norm.weight")
+        lm_head = None if cfg.tie_word_embeddings else take("lm_head.weight", required=False)
+        self.lm_head = lm_head if lm_head is not None else self.embed
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_bias = None
+            if cfg.attention_bias:
+                qkv_bias = cat(*(take(f"{p}self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")))
+            mlp_bias = cfg.mlp_bias
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=cat(*(take(f"{p}self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj"))),
+                    qkv_bias=qkv_bias,
+                    o=take(p + "self_attn.o_proj.weight"),
+                    o_bias=take(p + "self_attn.o_proj.bias") if cfg.o_bias else None,
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")),
+                    gate_up_bias=cat(take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")) if mlp_bias else None,
+                    down=take(p + "mlp.down_proj.weight"),
+                    down_bias=take(p + "mlp.down_proj.bias") if mlp_bias else None,
+                )
+            )
+        self.qkv_splits = (cfg.q_size, cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        step: StepInputs,
+        kv_pool: torch.Tensor,  # [num_pages, 2, block_size, kv_heads, head_dim]
+        pool_rows: torch.Tensor,  # [R, D], the same pool viewed as adapter rows
+        ops: KernelOps,
+    ) -> torch.Tensor:  # [N, vocab] float32 logits of the tokens in step.logits_index
+        cfg = self.cfg
+        T = step.input_ids.shape[0]
+        lora = step.lora
+        h = F.embedding(step.input_ids, self.embed)  # [T, H]
+        qe, ke, ve = self.qkv_splits
+        inter = cfg.intermediate_size
+        for li, w in enumerate(self.layers):
+            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, q + 2kv]
+            if lora is not None:
+                for mod, (lo, hi) in ((Q, (0, qe)), (K, (qe, ke)), (V, (ke, ve))):
+                    ops.apply_lora(qkv[:, lo:hi], x, pool_rows, lora, li, mod)
+            q = qkv[:, :qe].view(T, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, qe:ke].view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, ke:].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            q, k = self.rope.apply(q, k, step.attn.positions)
+            ops.write_kv(kv_pool, k, v, step.attn, li)
+            attn = ops.paged_attention(q, kv_pool, step.attn, li, self.scale).reshape(T, cfg.q_size)
+            o = F.linear(attn, w.o, w.o_bias)  # [T, H]
+            if lora is not None:
+                ops.apply_lora(o, attn, pool_rows, lora, li, O)
+            h = h + o
+            x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+            gu = F.linear(x, w.gate_up, w.gate_up_bias)  # [T, 2I]
+            if lora is not None:
+                ops.apply_lora(gu[:, :inter], x, pool_rows, lora, li, GATE)
+                ops.apply_lora(gu[:, inter:], x, pool_rows, lora, li, UP)
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+            d = F.linear(act, w.down, w.down_bias)
+            if lora is not None:
+                ops.apply_lora(d, act, pool_rows, lora, li, DOWN)
+            h = h + d
+        h = rms_norm(h.index_select(0, step.logits_index), self.final_norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

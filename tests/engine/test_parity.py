@@ -1,0 +1,104 @@
+"""The engine against transformers + PEFT run per request: logits and greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine import LLM, SamplingParams
+from parity_setup import build_case, rel_err
+
+ARCHS = ["llama", "qwen2", "mistral"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def case(request, tmp_path_factory):
+    return build_case(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def make_llm(case, **kw) -> LLM:
+    llm = LLM(str(case.model_dir), dtype="float32", device="cpu", max_lora_rank=64, kernels="torch", **kw)
+    for name, d in case.adapter_dirs.items():
+        llm.load_adapter(name, d)
+    return llm
+
+
+def check_outputs(case, outs, skip=()):
+    params_logits = True
+    for i, out in enumerate(outs):
+        if i in skip:
+            continue
+        assert out.finish_reason == "length"
+        assert out.token_ids == case.ref_tokens[i], f"request {i} (adapter {case.adapters[i]}) diverged"
+        p = len(case.prompts[i])
+        ours = torch.cat([out.prompt_logits, out.logits[1:]], dim=0)
+        assert ours.shape == case.ref_logits[i].shape
+        err = rel_err(ours, case.ref_logits[i])
+        assert err < 1e-4, f"request {i} (adapter {case.adapters[i]}): relative logits error {err:.2e}"
+        assert torch.equal(out.prompt_logits[p - 1], out.logits[0])
+    return params_logits
+
+
+def params(case):
+    return SamplingParams(max_tokens=case.max_new, temperature=0.0, ignore_eos=True, return_logits=True)
+
+
+def test_mixed_batch_matches_peft(case):
+    llm = make_llm(case)
+    outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
+    check_outputs(case, outs)
+    llm.engine.pager.check_integrity()
+    assert llm.engine.stats().kv_pages == 0
+
+
+def test_chunked_prefill_matches_peft(case):
+    # A token budget smaller than most prompts: prompts run in several chunks beside decodes.
+    llm = make_llm(case, max_num_batched_tokens=7)
+    outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
+    check_outputs(case, outs)
+    llm.engine.pager.check_integrity()
+
+
+def test_tiny_pool_preempts_and_evicts(case):
+    # Find a pool that holds the largest request with its adapter, but nowhere near all of them.
+    probe = make_llm(case)
+    geo = probe.engine.pager.geometry
+    adapter_pages = max(geo.adapter_num_pages(probe.engine.adapters.host(probe.engine.adapters.resolve(n)))
+                        for n in case.adapter_dirs)
+    longest = max(len(p) for p in case.prompts) + case.max_new
+    pages = geo.kv_pages_for_tokens(longest) * 2 + adapter_pages + geo.num_layers
+    page_bytes = geo.page_elems * 4
+    llm = make_llm(case, pool_bytes=pages * page_bytes)
+    outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
+    check_outputs(case, outs)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0, "the pool was meant to be too small to avoid preemption"
+    assert llm.engine.pager.stats().adapter_evictions > 0
+    llm.engine.pager.check_integrity()
+    assert stats.kv_pages == 0
+
+
+def test_aborts_mid_run(case):
+    llm = make_llm(case, max_num_batched_tokens=16)
+    eng = llm.engine
+    p = params(case)
+    reqs = [eng.add_request(pr, p, a) for pr, a in zip(case.prompts, case.adapters)]
+    to_abort = {1, 4, 7}
+    finals = {}
+    steps = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+        if steps == 5:
+            for i in to_abort:
+                out = eng.abort_request(reqs[i].request_id)
+                assert out is not None and out.finish_reason == "abort"
+            eng.pager.check_integrity()
+            # Aborted requests hold no pages any more.
+            assert all(eng.pager.kv_num_blocks(reqs[i].request_id) == 0 for i in to_abort)
+    outs = [finals.get(r.request_id) for r in reqs]
+    check_outputs(case, outs, skip=to_abort)
+    eng.pager.check_integrity()
+    assert eng.stats().kv_pages == 0
