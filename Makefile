@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 PROMPT ?= The capital of France is
 generate: $(STAMP)

@@ -1,1 +1,20 @@
-"""unified_pager."""
+"""The unified page pool: one device tensor whose pages hold both KV blocks and LoRA adapter rows.
+
+The scheduler codes against UnifiedPager; the kernels read PagePool views (rows(), kv_view()),
+AdapterResidency index tensors and block tables. Geometry and invariants: docs/PAGE_POOL.md.
+"""
+
+from .adapter_pages import AdapterResidency, ModuleSlot
+from .geometry import PoolGeometry, row_width_for
+from .pager import PoolStats, UnifiedPager
+from .pool import PagePool
+
+__all__ = [
+    "AdapterResidency",
+    "ModuleSlot",
+    "PagePool",
+    "PoolGeometry",
+    "PoolStats",
+    "UnifiedPager",
+    "row_width_for",
+]
