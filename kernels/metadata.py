@@ -6,7 +6,7 @@ its loops in Python without reading device tensors back); the tensors serve the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -73,6 +73,8 @@ class LoraBatch:
 
     segments: tuple[LoraSegment, ...]
     num_tokens: int
+    # Per-(layer, module) grouping that a backend derives once per step and reuses.
+    plan_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def max_rank(self) -> int:

@@ -14,31 +14,65 @@ rows in place instead.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from .metadata import LoraBatch, LoraSegment
 
 
-def _groups(lora: LoraBatch, layer: int, module: int):
-    """Split the segments that carry (layer, module) into single-token groups keyed by rank and
-    multi-token segments."""
-    singles: dict[int, list[LoraSegment]] = defaultdict(list)
+@dataclass(frozen=True)
+class _SingleGroup:
+    """One-token segments of one rank: gathered and multiplied as one batch."""
+
+    rank: int
+    tokens: torch.Tensor  # [n] int64
+    a_index: torch.Tensor  # [n * rank * in / D] int64, physical pool rows
+    b_index: torch.Tensor  # [n * rank * out / D] int64
+    scales: torch.Tensor  # [n, 1] in the activation dtype
+
+
+@dataclass(frozen=True)
+class _Plan:
+    singles: tuple[_SingleGroup, ...]
+    multi: tuple[LoraSegment, ...]
+
+
+def _plan(lora: LoraBatch, layer: int, module: int, dtype: torch.dtype, device: torch.device) -> _Plan | None:
+    """Group the segments carrying (layer, module); cached on the batch, since shrink and expand
+    (and every call of a step) need the same grouping."""
+    cache = lora.plan_cache
+    key = (layer, module)
+    if key in cache:
+        return cache[key]
+    by_rank: dict[int, list[LoraSegment]] = {}
     multi: list[LoraSegment] = []
     for seg in lora.segments:
-        slot = seg.adapter.slots.get((layer, module))
+        slot = seg.adapter.slots.get(key)
         if slot is None:
             continue
         if seg.length == 1:
-            singles[slot.rank].append(seg)
+            by_rank.setdefault(slot.rank, []).append(seg)
         else:
             multi.append(seg)
-    return singles, multi
+    singles = []
+    for rank, segs in by_rank.items():
+        singles.append(
+            _SingleGroup(
+                rank=rank,
+                tokens=torch.tensor([s.start for s in segs], dtype=torch.long, device=device),
+                a_index=torch.cat([s.adapter.a_index(layer, module) for s in segs]),
+                b_index=torch.cat([s.adapter.b_index(layer, module) for s in segs]),
+                scales=torch.tensor([[s.adapter.slots[key].scale] for s in segs], dtype=dtype, device=device),
+            )
+        )
+    plan = _Plan(tuple(singles), tuple(multi)) if (singles or multi) else None
+    cache[key] = plan
+    return plan
 
 
-def _rows(pool_rows: torch.Tensor, index: torch.Tensor, rank: int) -> torch.Tensor:
-    return pool_rows.index_select(0, index).view(rank, -1)
+def _gather(pool_rows: torch.Tensor, index: torch.Tensor, n: int, rank: int) -> torch.Tensor:
+    return pool_rows.index_select(0, index).view(n, rank, -1)  # [n, r, features]
 
 
 def lora_shrink(
@@ -47,21 +81,18 @@ def lora_shrink(
     lora: LoraBatch,
     layer: int,
     module: int,
-) -> torch.Tensor:  # [T, max_rank]; columns beyond a segment's rank are unused
+) -> torch.Tensor:  # [T, max_rank]; scale applied; columns beyond a segment's rank stay 0
     out = torch.zeros(x.shape[0], max(lora.max_rank, 1), dtype=x.dtype, device=x.device)
-    singles, multi = _groups(lora, layer, module)
-    for rank, segs in singles.items():
-        tok = torch.tensor([s.start for s in segs], dtype=torch.long, device=x.device)
-        index = torch.cat([s.adapter.a_index(layer, module) for s in segs])
-        a = pool_rows.index_select(0, index).view(len(segs), rank, -1)  # [n, r, in]
-        scale = torch.tensor([s.adapter.slots[(layer, module)].scale for s in segs], dtype=x.dtype, device=x.device)
-        s_ = torch.bmm(a, x[tok].unsqueeze(-1)).squeeze(-1)  # [n, r]
-        out[tok, :rank] = s_ * scale[:, None]
-    for seg in multi:
+    plan = _plan(lora, layer, module, x.dtype, x.device)
+    if plan is None:
+        return out
+    for g in plan.singles:
+        a = _gather(pool_rows, g.a_index, g.tokens.numel(), g.rank)  # [n, r, in]
+        out[g.tokens, : g.rank] = torch.bmm(a, x[g.tokens].unsqueeze(-1)).squeeze(-1) * g.scales
+    for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
-        a = _rows(pool_rows, seg.adapter.a_index(layer, module), slot.rank)  # [r, in]
-        xs = x[seg.start : seg.start + seg.length]
-        out[seg.start : seg.start + seg.length, : slot.rank] = (xs @ a.t()) * slot.scale
+        a = _gather(pool_rows, seg.adapter.a_index(layer, module), 1, slot.rank)[0]  # [r, in]
+        out[seg.start : seg.start + seg.length, : slot.rank] = (x[seg.start : seg.start + seg.length] @ a.t()) * slot.scale
     return out
 
 
@@ -73,16 +104,15 @@ def lora_expand(
     layer: int,
     module: int,
 ) -> None:
-    singles, multi = _groups(lora, layer, module)
-    for rank, segs in singles.items():
-        tok = torch.tensor([s_.start for s_ in segs], dtype=torch.long, device=y.device)
-        index = torch.cat([s_.adapter.b_index(layer, module) for s_ in segs])
-        b = pool_rows.index_select(0, index).view(len(segs), rank, -1)  # [n, r, out]
-        delta = torch.bmm(s[tok, :rank].unsqueeze(1), b).squeeze(1)  # [n, out]
-        y.index_add_(0, tok, delta)
-    for seg in multi:
+    plan = _plan(lora, layer, module, s.dtype, s.device)
+    if plan is None:
+        return
+    for g in plan.singles:
+        b = _gather(pool_rows, g.b_index, g.tokens.numel(), g.rank)  # [n, r, out]
+        y.index_add_(0, g.tokens, torch.bmm(s[g.tokens, : g.rank].unsqueeze(1), b).squeeze(1))
+    for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
-        b = _rows(pool_rows, seg.adapter.b_index(layer, module), slot.rank)  # [r, out]
+        b = _gather(pool_rows, seg.adapter.b_index(layer, module), 1, slot.rank)[0]  # [r, out]
         y[seg.start : seg.start + seg.length] += s[seg.start : seg.start + seg.length, : slot.rank] @ b
 
 
@@ -94,8 +124,22 @@ def apply_lora(
     layer: int,
     module: int,
 ) -> None:
-    """y += each token's adapter delta for (layer, module); tokens without one are untouched."""
-    if not any((layer, module) in seg.adapter.slots for seg in lora.segments):
+    """y += each token's adapter delta for (layer, module); tokens without one are untouched.
+
+    Same arithmetic as lora_shrink then lora_expand, without the [T, max_rank] buffer between them.
+    """
+    plan = _plan(lora, layer, module, x.dtype, x.device)
+    if plan is None:
         return
-    s = lora_shrink(x, pool_rows, lora, layer, module)
-    lora_expand(y, s, pool_rows, lora, layer, module)
+    for g in plan.singles:
+        n = g.tokens.numel()
+        a = _gather(pool_rows, g.a_index, n, g.rank)  # [n, r, in]
+        s = torch.bmm(a, x[g.tokens].unsqueeze(-1)) * g.scales.unsqueeze(-1)  # [n, r, 1]
+        b = _gather(pool_rows, g.b_index, n, g.rank)  # [n, r, out]
+        y.index_add_(0, g.tokens, torch.bmm(s.transpose(1, 2), b).squeeze(1))
+    for seg in plan.multi:
+        slot = seg.adapter.slots[(layer, module)]
+        a = _gather(pool_rows, seg.adapter.a_index(layer, module), 1, slot.rank)[0]  # [r, in]
+        b = _gather(pool_rows, seg.adapter.b_index(layer, module), 1, slot.rank)[0]  # [r, out]
+        rows = slice(seg.start, seg.start + seg.length)
+        y[rows] += ((x[rows] @ a.t()) * slot.scale) @ b
