@@ -7,7 +7,7 @@ the same cases in the same run; the floor is
     our base step + adapter bytes read / measured read bandwidth + LoRA FLOPs / measured FLOP/s
 
 Writes JSON (--out) and prints a table. Usage:
-    python benchmarks/decode_step.py [--batches 1 16 64] [--steps 5] [--out benchmarks/out/decode_step.json]
+    python benchmarks/decode_step.py [--batches 1 16 64] [--steps 5] [--out benchmarks/results/decode_step.json]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/out/decode_step.json")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
     roof = measure_roofline()

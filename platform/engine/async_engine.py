@@ -46,11 +46,14 @@ class _Sink:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is left to read this
+            pass
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop crashed; no further request can be served."""
+    """The step loop crashed or was shut down; no further request can be served."""
 
 
 class AsyncEngine:
@@ -60,6 +63,10 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Set (under the lock) once the step loop has ended: commands sent later are answered at once
+        # instead of waiting forever in a queue that nobody reads.
+        self._lock = threading.Lock()
+        self._closed = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
@@ -84,6 +91,9 @@ class AsyncEngine:
             while True:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
+                    # Refused at add, or the engine is gone: nothing of ours is in the engine, and an
+                    # abort by this id would hit another request that holds it (a duplicate id).
+                    finished = True
                     raise item
                 yield item
                 if item.finished:
@@ -97,8 +107,16 @@ class AsyncEngine:
         self._send(_Abort(request_id))
 
     def _send(self, cmd) -> None:
-        self._commands.put(cmd)
-        self._wake.set()
+        with self._lock:
+            if not self._closed:
+                self._commands.put(cmd)
+                self._wake.set()
+                return
+        if isinstance(cmd, _Add):
+            cmd.sink.put(EngineDeadError(self._dead_message()))
+
+    def _dead_message(self) -> str:
+        return f"the engine stopped: {self.error!r}" if self.error is not None else "the engine was shut down"
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -146,6 +164,24 @@ class AsyncEngine:
         except BaseException as e:  # a dead engine must be visible, never a silent hang
             log.exception("engine step loop crashed")
             self.error = e
-            for sink in self._sinks.values():
-                sink.put(EngineDeadError(f"the engine stopped: {e!r}"))
-            self._sinks.clear()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """The loop has ended (shutdown or crash): every open stream, and every request sent too late to
+        be added, gets EngineDeadError; after a shutdown, requests still in the engine are aborted."""
+        with self._lock:
+            self._closed = True
+        message = self._dead_message()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.sink.put(EngineDeadError(message))
+        for rid, sink in self._sinks.items():
+            if self.error is None:
+                self.engine.abort_request(rid)
+            sink.put(EngineDeadError(message))
+        self._sinks.clear()

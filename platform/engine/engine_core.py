@@ -125,11 +125,15 @@ class EngineCore:
             raise RequestError("stop strings need tokenizer files, which this model lacks")
         key = self.adapters.resolve(adapter) if adapter is not None else None
         adapter_pages = self.pager.geometry.adapter_num_pages(self.adapters.host(key)) if key else 0
-        need = self.pager.geometry.kv_pages_for_tokens(len(ids) + 1) + adapter_pages
+        # The KV of the longest sequence it can grow to, beside its pinned adapter: a request that
+        # fits only its prompt would otherwise hit "can never fit" inside a later step.
+        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
+        need = self.pager.geometry.kv_pages_for_tokens(max_len) + adapter_pages
         if not self.pager.can_ever_fit(need):
             raise CapacityError(
-                f"the request needs {need} pool pages for its prompt and adapter but the pool has "
-                f"{self.pager.geometry.num_pages}; raise pool_bytes or shorten the prompt"
+                f"the request needs {need} pool pages for {max_len} tokens (prompt + max_tokens) and its "
+                f"adapter but the pool has {self.pager.geometry.num_pages}; raise pool_bytes, shorten the "
+                f"prompt or lower max_tokens"
             )
         req = Request(
             request_id=rid,

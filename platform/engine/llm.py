@@ -76,8 +76,15 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         finals: dict[str, RequestOutput] = {}
-        while len(finals) < n:
-            for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
+        try:
+            while len(finals) < n:
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        except BaseException:
+            # Leave no request of this call behind in the engine (and none of its pages).
+            for rid in ids:
+                if rid not in finals:
+                    self.engine.abort_request(rid)
+            raise
         return [finals[rid] for rid in ids]

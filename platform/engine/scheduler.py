@@ -3,7 +3,8 @@
 One rule, as in vLLM V1: each request's num_computed_tokens catches up with its num_tokens.
 There is no prefill or decode phase: a step mixes prompt chunks and single decode tokens under
 one token budget. Running requests go first, in the order they started; then waiting ones in
-arrival order. A request is scheduled only when its adapter is resident in the pool. When pages
+arrival order (skipping, for now, any whose adapter cannot be placed yet). A request is scheduled
+only when its adapter is resident in the pool. When pages
 run out, the pager first evicts idle adapters; if that is not enough, the newest running request
 is preempted (its KV freed, recomputed later).
 """
@@ -106,23 +107,30 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing more fits
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
+        # Waiting requests in arrival order. One whose adapter cannot be placed yet is skipped, not
+        # waited on: it must not hold back base-model requests or requests for resident adapters
+        # (head-of-line blocking). A KV allocation that fails ends the scan: the pool is full.
+        admitted: list[Request] = []
+        for req in (list(self.waiting) if not preempted else []):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             key = self.adapter_keys[req.request_id]
             if key is not None:
                 if self.adapters.ensure_resident(key) is None:
-                    break  # its adapter cannot be placed yet; keep arrival order
+                    continue
                 self.pager.pin(key)  # before KV allocation, which may evict idle adapters
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n):
                 if key is not None:
                     self.pager.unpin(key)
                 break
-            self.waiting.popleft()
+            admitted.append(req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             chunks.append(ScheduledChunk(req, n, key))
             budget -= n
+        for req in admitted:
+            self.waiting.remove(req)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
