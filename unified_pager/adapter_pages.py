@@ -115,16 +115,21 @@ class AdapterResidency:
         return self._b_index[(layer, module)]
 
 
-def pack_rows(plan: AdapterPlan, geometry: PoolGeometry) -> torch.Tensor:
-    """[num_rows, D] host tensor in the pool dtype: A then B^T of each slot, back to back."""
+def pack_rows(plan: AdapterPlan, geometry: PoolGeometry, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_rows, D] host tensor in the pool dtype: A then B^T of each slot, back to back.
+
+    With `out` ([>= num_rows, D]), the rows are written there instead: one pass over the weights,
+    no concatenation afterwards."""
     d, dtype = geometry.row_width, geometry.dtype
-    parts: list[torch.Tensor] = []
+    if out is None:
+        out = torch.empty(plan.num_rows, d, dtype=dtype)
+    row = 0
     for m in plan.modules:
-        parts.append(m.a.detach().to("cpu", dtype).reshape(-1, d))  # [rank*in/D, D]
-        parts.append(m.b.detach().to("cpu", dtype).t().reshape(-1, d))  # [rank*out/D, D]
-    if not parts:
-        return torch.empty(0, d, dtype=dtype)
-    return torch.cat(parts)
+        for mat in (m.a, m.b.t()):  # A [rank, in]; B^T [rank, out]
+            n = mat.numel() // d
+            out[row : row + n].view(mat.shape).copy_(mat)  # casts to the pool dtype while copying
+            row += n
+    return out
 
 
 def place_adapter(pool: PagePool, key: Hashable, plan: AdapterPlan, pages: np.ndarray) -> AdapterResidency:
@@ -135,16 +140,23 @@ def place_adapter(pool: PagePool, key: Hashable, plan: AdapterPlan, pages: np.nd
     row_index_np = logical_to_physical(pages, rpp, 0, plan.num_rows)  # [num_rows] int64
     row_index = torch.from_numpy(row_index_np).to(device)
     if plan.num_rows:
-        pool.rows().index_copy_(0, row_index, pack_rows(plan, g).to(device))
+        # Pack into whole pages, then scatter page by page: a few hundred large copies instead of
+        # one indexed copy per D-element row (the pool is [num_pages, page_elems]).
+        packed = torch.empty(len(pages) * rpp, g.row_width, dtype=g.dtype)  # [P * rows_per_page, D]
+        pack_rows(plan, g, packed)
+        page_ids = torch.from_numpy(pages).to(device)
+        pool.tensor.index_copy_(0, page_ids, packed.view(len(pages), -1).to(device))
 
     layout = torch.zeros(g.num_layers, len(TARGET_MODULES), 3, dtype=torch.int32)  # [L, 7, 3]
     scales = torch.zeros(g.num_layers, len(TARGET_MODULES), dtype=torch.float32)  # [L, 7]
     a_index: dict[tuple[int, int], torch.Tensor] = {}
     b_index: dict[tuple[int, int], torch.Tensor] = {}
     d = g.row_width
+    layout_np = layout.numpy()  # filled through numpy: one small torch op per slot costs more than the copy
+    scales_np = scales.numpy()
     for (layer, module), s in plan.slots.items():
-        layout[layer, module] = torch.tensor([s.rank, s.a_row, s.b_row], dtype=torch.int32)
-        scales[layer, module] = s.scale
+        layout_np[layer, module] = (s.rank, s.a_row, s.b_row)
+        scales_np[layer, module] = s.scale
         a_index[(layer, module)] = row_index[s.a_row : s.a_row + s.rank * s.in_features // d]
         b_index[(layer, module)] = row_index[s.b_row : s.b_row + s.rank * s.out_features // d]
     return AdapterResidency(

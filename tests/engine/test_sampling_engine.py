@@ -151,11 +151,16 @@ def test_same_seed_same_tokens_whatever_the_batch(model_dir, adapter_dirs, llm):
     geo = llm.engine.pager.geometry
     table = llm.engine.adapters
     adapter_pages = sum(geo.adapter_num_pages(table.host(table.resolve(n))) for n in ADAPTERS)
-    small = make_llm(model_dir, adapter_dirs, pool_bytes=(adapter_pages + 4 * geo.kv_pages_for_tokens(40 + N))
-                     * geo.page_bytes)
-    assert run(small, 16, names) == alone
-    assert small.engine.stats().num_preemptions > 0
-    for e in (llm, chunked, small):
+    preemptions = 0
+    smalls = []
+    for kv_requests in (4, 2, 1):  # from small to barely one request's growth beside every adapter
+        small = make_llm(model_dir, adapter_dirs,
+                         pool_bytes=(adapter_pages + kv_requests * geo.kv_pages_for_tokens(40 + N)) * geo.page_bytes)
+        assert run(small, 16, names) == alone
+        preemptions += small.engine.stats().num_preemptions
+        smalls.append(small)
+    assert preemptions > 0
+    for e in (llm, chunked, *smalls):
         e.engine.pager.check_integrity()
         assert e.engine.stats().kv_pages == 0
 
