@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=_generate)
+    # The adapter store's verbs: db upgrade, gc, adapters upload.
+    from loraplex.adapter_store.cli_commands import add_store_commands
+
+    add_store_commands(sub)
     return p
 
 

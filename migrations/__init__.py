@@ -1,0 +1,1 @@
+"""Alembic environment and revisions of the registry's schema (run through loraplex.adapter_store.migrate)."""

@@ -1,0 +1,1 @@
+"""Schema revisions, oldest first; each has an upgrade and a downgrade."""
