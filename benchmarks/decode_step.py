@@ -101,8 +101,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     roof = measure_roofline()
 

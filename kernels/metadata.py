@@ -31,6 +31,8 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] int64, row of that token inside its page (position % block_size)
     query_lens_host: tuple[int, ...]  # [S] on the host
     seq_lens_host: tuple[int, ...]  # [S] on the host
+    # Per-step launch plans (tile tables) that a backend derives once and reuses in every layer.
+    plan_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -68,7 +68,10 @@ def paged_attention(
         qd = q[tok].view(b, kv_heads, group, head_dim)
         n = nblocks * bs
         mask = torch.arange(n, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
-        o = _attend(qd, kv[:, 0], kv[:, 1], mask[:, None, None, :], scale)  # [B, kvh, G, hd]
+        # Slots past a sequence's length hold whatever the page's last owner left; zero their V so
+        # that a stale non-finite value cannot turn a zero attention weight into NaN.
+        v = kv[:, 1].masked_fill(~mask[:, None, :, None], 0)
+        o = _attend(qd, kv[:, 0], v, mask[:, None, None, :], scale)  # [B, kvh, G, hd]
         out[tok] = o.reshape(b, num_heads, head_dim)
 
     for i in meta.prefill_seqs:

@@ -5,7 +5,7 @@ with A_a's rows and B_a^T's rows read from the unified pool through the adapter'
 (pool_rows is the pool viewed as [rows, D]; AdapterResidency.a_index/b_index give the physical
 rows of one (layer, module)).
 
-Why two shapes of loop: one-token segments (decode) are batched per rank into one bmm, since a
+Why two shapes of loop: one-token segments (decode) of different adapters are batched per rank into one bmm, since a
 Python loop over a batch of 64 distinct adapters would cost more than the arithmetic; segments of
 several tokens (prefill chunks, or many decode tokens sharing an adapter) are one matmul each.
 The gather of a (layer, module)'s rows is per step and cache-sized; the Triton path reads the
@@ -56,7 +56,10 @@ def _plan(lora: LoraBatch, layer: int, module: int, dtype: torch.dtype, device: 
         else:
             multi.append(seg)
     singles = []
-    for rank, segs in by_rank.items():
+    for rank, segs in list(by_rank.items()):
+        if len(segs) == 1:  # nothing to batch: the direct path reads the matrix in place
+            multi.extend(segs)
+            continue
         singles.append(
             _SingleGroup(
                 rank=rank,
@@ -91,7 +94,7 @@ def lora_shrink(
         out[g.tokens, : g.rank] = torch.bmm(a, x[g.tokens].unsqueeze(-1)).squeeze(-1) * g.scales
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
-        a = _gather(pool_rows, seg.adapter.a_index(layer, module), 1, slot.rank)[0]  # [r, in]
+        a = _matrix(pool_rows, seg.adapter, layer, module, slot.rank, "a")  # [r, in]
         out[seg.start : seg.start + seg.length, : slot.rank] = (x[seg.start : seg.start + seg.length] @ a.t()) * slot.scale
     return out
 
@@ -112,7 +115,7 @@ def lora_expand(
         y.index_add_(0, g.tokens, torch.bmm(s[g.tokens, : g.rank].unsqueeze(1), b).squeeze(1))
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
-        b = _gather(pool_rows, seg.adapter.b_index(layer, module), 1, slot.rank)[0]  # [r, out]
+        b = _matrix(pool_rows, seg.adapter, layer, module, slot.rank, "b")  # [r, out]
         y[seg.start : seg.start + seg.length] += s[seg.start : seg.start + seg.length, : slot.rank] @ b
 
 
@@ -139,7 +142,13 @@ def apply_lora(
         y.index_add_(0, g.tokens, torch.bmm(s.transpose(1, 2), b).squeeze(1))
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
-        a = _gather(pool_rows, seg.adapter.a_index(layer, module), 1, slot.rank)[0]  # [r, in]
-        b = _gather(pool_rows, seg.adapter.b_index(layer, module), 1, slot.rank)[0]  # [r, out]
+        a = _matrix(pool_rows, seg.adapter, layer, module, slot.rank, "a")  # [r, in]
+        b = _matrix(pool_rows, seg.adapter, layer, module, slot.rank, "b")  # [r, out]
         rows = slice(seg.start, seg.start + seg.length)
         y[rows] += ((x[rows] @ a.t()) * slot.scale) @ b
+
+
+def _matrix(pool_rows: torch.Tensor, adapter, layer: int, module: int, rank: int, which: str) -> torch.Tensor:
+    """One adapter's A [r, in] or B^T [r, out], gathered through its page table."""
+    index = adapter.a_index(layer, module) if which == "a" else adapter.b_index(layer, module)
+    return pool_rows.index_select(0, index).view(rank, -1)

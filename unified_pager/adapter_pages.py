@@ -144,6 +144,9 @@ def place_adapter(pool: PagePool, key: Hashable, plan: AdapterPlan, pages: np.nd
         # one indexed copy per D-element row (the pool is [num_pages, page_elems]).
         packed = torch.empty(len(pages) * rpp, g.row_width, dtype=g.dtype)  # [P * rows_per_page, D]
         pack_rows(plan, g, packed)
+        # The unused tail of the last page must not carry garbage: the page later serves as a KV
+        # block whose unwritten slots attention reads (masked, but NaN * 0 is NaN).
+        packed[plan.num_rows :].zero_()
         page_ids = torch.from_numpy(pages).to(device)
         pool.tensor.index_copy_(0, page_ids, packed.view(len(pages), -1).to(device))
 

@@ -155,3 +155,20 @@ def test_block_tables_give_each_layer_its_own_page():
     assert np.count_nonzero(pager.pool.tensor.numpy()) == g.num_kv_heads * g.head_dim
     with pytest.raises(KeyError):
         pager.block_tables(["s", "nobody"])
+
+
+def test_last_page_tail_is_zeroed():
+    """Rows past an adapter's last row are zero, not garbage: the page becomes a KV block later."""
+    import random
+
+    from pager_testkit import TINY, random_adapter, small_pager
+
+    pager = small_pager(400)
+    pager.pool.tensor.fill_(float("nan"))
+    res = pager.load_adapter("a", random_adapter(TINY, random.Random()))
+    rows = pager.pool.rows()
+    last = int(res.pages[-1])
+    rpp = pager.geometry.rows_per_page
+    tail = res.num_rows - (len(res.pages) - 1) * rpp
+    assert torch.count_nonzero(rows[last * rpp + tail : (last + 1) * rpp]) == 0
+    assert torch.isfinite(rows[last * rpp + tail : (last + 1) * rpp]).all()

@@ -1,0 +1,314 @@
+"""SGMV on the Triton path: the same four entry points as torch_sgmv, same semantics.
+
+For each segment s of tokens sharing adapter a:  y[seg] += scale_a * (x[seg] @ A_a^T) @ B_a^T,
+A_a and B_a^T read in place from the pool (see triton_sgmv_kernels.py for the addressing).
+
+Per step, the host cuts the batch into tiles once (cached on the LoraBatch): one-token runs go to
+the decode variant (BLOCK_M = 1), longer segments to tl.dot tiles of BLOCK_M tokens. Per
+(layer, module) call there is no host work beyond a dict lookup and the launches: shrink writes
+float32 partial sums [SPLIT, T, SR] (SPLIT > 1 splits the K loop when there are too few tiles to
+fill the GPU, e.g. a decode batch of a few adapters), expand adds the partials while it loads
+them, so no reduction launch and no atomics are needed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .metadata import LoraBatch
+from .triton_launch import dot_precision, parallel_slots, pow2_divisor
+from .triton_sgmv_kernels import sgmv_expand_kernel, sgmv_shrink_kernel
+
+if TYPE_CHECKING:
+    from loraplex.unified_pager import AdapterResidency
+
+R_CHUNK = 16  # ranks per program (shrink) / per loop step (expand); >= 16 for tl.dot
+DEFAULT_BLOCK_M = 32
+# Widest chunk of one pool row a program loads per step (the chunk must stay inside one row of D).
+MAX_BLOCK_K = 128
+MAX_BLOCK_N = 128
+
+
+@dataclass(frozen=True)
+class TileTable:
+    """Tiles of one variant: tile i covers tokens start[i] .. start[i] + length[i] of segment seg[i]."""
+
+    tiles: torch.Tensor  # [3, NT] int32 on the device: seg (-1 = no adapter), start, length
+    num_tiles: int
+    block_m: int
+
+    @property
+    def seg(self) -> torch.Tensor:
+        return self.tiles[0]
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.tiles[1]
+
+    @property
+    def length(self) -> torch.Tensor:
+        return self.tiles[2]
+
+
+@dataclass(frozen=True)
+class SgmvTiles:
+    """The batch cut into tiles, once per step: decode tiles and BLOCK_M tiles."""
+
+    single: TileTable | None  # one-token runs (decode variant)
+    multi: TileTable | None  # runs of several tokens, cut into tiles of block_m tokens
+
+    @property
+    def tables(self) -> tuple[TileTable, ...]:
+        return tuple(t for t in (self.single, self.multi) if t is not None)
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(t.num_tiles for t in self.tables)
+
+
+def build_tiles(lora: LoraBatch, block_m: int, device: torch.device) -> SgmvTiles:
+    """Cut tokens 0..num_tokens into runs (each segment, and each gap between segments) and the
+    runs into tiles; empty segments take no tile."""
+    runs: list[tuple[int, int, int]] = []  # (seg, start, length)
+    pos = 0
+    for i, seg in sorted(enumerate(lora.segments), key=lambda p: p[1].start):
+        if seg.length == 0:
+            continue
+        if seg.start > pos:
+            runs.append((-1, pos, seg.start - pos))
+        runs.append((i, seg.start, seg.length))
+        pos = seg.start + seg.length
+    if lora.num_tokens > pos:
+        runs.append((-1, pos, lora.num_tokens - pos))
+    single: list[tuple[int, int, int]] = []
+    multi: list[tuple[int, int, int]] = []
+    for seg, start, length in runs:
+        if length == 1:
+            single.append((seg, start, 1))
+            continue
+        for t in range(start, start + length, block_m):
+            multi.append((seg, t, min(block_m, start + length - t)))
+
+    def table(rows: list[tuple[int, int, int]], bm: int) -> TileTable | None:
+        if not rows:
+            return None
+        t = torch.tensor(rows, dtype=torch.int32).t().contiguous().to(device)
+        return TileTable(t, len(rows), bm)
+
+    return SgmvTiles(table(single, 1), table(multi, block_m))
+
+
+def _tiles(lora: LoraBatch, block_m: int, device: torch.device) -> SgmvTiles:
+    key = ("triton_tiles", block_m)
+    cached = lora.plan_cache.get(key)
+    if cached is None:
+        cached = lora.plan_cache[key] = build_tiles(lora, block_m, device)
+    return cached
+
+
+# Each resident adapter's ranks as a host array [L, 7] (0 = absent), built once per adapter: the
+# per-step maximum over a batch's adapters is then one numpy reduction, not a walk over every
+# (segment, layer, module) in Python (57k dict lookups for 256 adapters on a 32-layer model).
+_RANK_TABLES: weakref.WeakKeyDictionary[AdapterResidency, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def _rank_table(res: AdapterResidency, shape: tuple[int, int]) -> np.ndarray:
+    table = _RANK_TABLES.get(res)
+    if table is None:
+        table = np.zeros(shape, dtype=np.int32)
+        for (layer, module), slot in res.slots.items():
+            table[layer, module] = slot.rank
+        _RANK_TABLES[res] = table
+    return table
+
+
+def _module_rank(lora: LoraBatch, layer: int, module: int) -> int:
+    """Largest rank among the segments carrying (layer, module); 0 when none does."""
+    ranks = lora.plan_cache.get("triton_module_ranks")
+    if ranks is None:
+        segs = [s for s in lora.segments if s.length > 0]
+        if segs:
+            shape = tuple(segs[0].adapter.layout.shape[:2])
+            unique = {id(s.adapter): s.adapter for s in segs}.values()
+            ranks = np.maximum.reduce([_rank_table(a, shape) for a in unique])
+        else:
+            ranks = np.zeros((0, 0), dtype=np.int32)
+        lora.plan_cache["triton_module_ranks"] = ranks
+    if layer >= ranks.shape[0]:
+        return 0
+    return int(ranks[layer, module])
+
+
+def _choose_split(device: torch.device, programs: int, k_chunks: int) -> int:
+    """Split the K loop until the launch has about enough programs to fill the device."""
+    slots = parallel_slots(device)
+    split = 1
+    while programs * split < slots and split * 2 <= k_chunks // 2:
+        split *= 2
+    return split
+
+
+@dataclass(frozen=True)
+class SegmentTables:
+    """The segment table's device tensors with the strides and offsets the kernels index them by."""
+
+    layout: torch.Tensor  # [S, L, 7, 3] int32, unit last stride
+    scales: torch.Tensor  # [S, L, 7] float32
+    pages: torch.Tensor  # [S, P] int32
+    rows_per_page: int
+
+    @staticmethod
+    def of(lora: LoraBatch) -> SegmentTables:
+        key = "triton_segment_tables"
+        cached = lora.plan_cache.get(key)
+        if cached is None:
+            dev = lora.device_tensors
+            assert dev.layout.stride(3) == 1, "the kernels read rank, a_row, b_row as consecutive int32s"
+            cached = lora.plan_cache[key] = SegmentTables(
+                dev.layout, dev.scales, dev.pages, int(lora.segments[0].adapter.rows_per_page))
+        return cached
+
+    def layout_offset(self, layer: int, module: int) -> int:
+        return layer * self.layout.stride(1) + module * self.layout.stride(2)
+
+    def scale_offset(self, layer: int, module: int) -> int:
+        return layer * self.scales.stride(1) + module * self.scales.stride(2)
+
+
+def sgmv_shrink_into(
+    partial: torch.Tensor,  # [split, T, SR] float32, SR a multiple of R_CHUNK; every element written
+    x: torch.Tensor,  # [T, K], unit column stride
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    module: int,
+    block_m: int = DEFAULT_BLOCK_M,
+) -> None:
+    """partial[s, t, r] = scale * sum over split s's share of K of x[t, k] * A[r, k] (0 past the rank)."""
+    split, T, sr = partial.shape
+    assert x.stride(1) == 1 and pool_rows.is_contiguous() and partial.stride(2) == 1
+    assert sr % R_CHUNK == 0 and T == lora.num_tokens
+    D = pool_rows.shape[1]
+    K = x.shape[1]
+    block_k = pow2_divisor(D, MAX_BLOCK_K)
+    k_chunks = K // block_k
+    per_split = -(-k_chunks // split)
+    seg = SegmentTables.of(lora)
+    for table in _tiles(lora, block_m, x.device).tables:
+        sgmv_shrink_kernel.on(x.device)[(table.num_tiles, split, sr // R_CHUNK)](
+            x, x.stride(0), pool_rows, partial, partial.stride(0), partial.stride(1),
+            table.seg, table.start, table.length,
+            seg.layout, seg.layout.stride(0), seg.scales, seg.scales.stride(0), seg.pages, seg.pages.stride(0),
+            seg.layout_offset(layer, module), seg.scale_offset(layer, module),
+            seg.rows_per_page, K, per_split,
+            D=D, BLOCK_M=table.block_m, BLOCK_K=block_k, R_CHUNK=R_CHUNK,
+            USE_DOT=block_k >= 16, DOT_PREC=dot_precision(x.dtype),
+        )
+
+
+def sgmv_expand_from(
+    y: torch.Tensor,  # [T, N], unit column stride, updated in place
+    s: torch.Tensor,  # [split, T, >= rank] partials (summed while loaded)
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    module: int,
+    block_m: int = DEFAULT_BLOCK_M,
+) -> None:
+    """y[t] += sum_r (sum_s s[s, t, r]) * B^T[r] for every token t in a segment carrying (layer, module)."""
+    assert y.stride(1) == 1 and s.stride(2) == 1 and pool_rows.is_contiguous()
+    D = pool_rows.shape[1]
+    N = y.shape[1]
+    block_n = pow2_divisor(D, MAX_BLOCK_N)
+    seg = SegmentTables.of(lora)
+    for table in _tiles(lora, block_m, y.device).tables:
+        sgmv_expand_kernel.on(y.device)[(table.num_tiles, N // block_n)](
+            s, s.stride(0), s.stride(1), s.shape[0],
+            y, y.stride(0), pool_rows,
+            table.seg, table.start, table.length,
+            seg.layout, seg.layout.stride(0), seg.pages, seg.pages.stride(0),
+            seg.layout_offset(layer, module), seg.rows_per_page, N,
+            D=D, BLOCK_M=table.block_m, BLOCK_N=block_n, R_CHUNK=R_CHUNK,
+            USE_DOT=block_n >= 16, DOT_PREC=dot_precision(y.dtype),
+        )
+
+
+def _shrink_partials(x: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, layer: int, module: int,
+                     rank: int, split: int | None) -> torch.Tensor:  # [split, T, SR] float32
+    x = x if x.stride(1) == 1 else x.contiguous()
+    sr = -(-rank // R_CHUNK) * R_CHUNK
+    if split is None:
+        tiles = _tiles(lora, DEFAULT_BLOCK_M, x.device)
+        k_chunks = x.shape[1] // pow2_divisor(pool_rows.shape[1], MAX_BLOCK_K)
+        split = _choose_split(x.device, tiles.num_tiles * (sr // R_CHUNK), k_chunks)
+    partial = torch.empty(split, x.shape[0], sr, dtype=torch.float32, device=x.device)
+    sgmv_shrink_into(partial, x, pool_rows, lora, layer, module)
+    return partial
+
+
+def _expand_in_place(y: torch.Tensor, s: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, layer: int,
+                     module: int) -> None:
+    if y.stride(1) == 1:
+        sgmv_expand_from(y, s, pool_rows, lora, layer, module)
+        return
+    tmp = y.contiguous()  # a rare caller's layout: update a copy, then write it back
+    sgmv_expand_from(tmp, s, pool_rows, lora, layer, module)
+    y.copy_(tmp)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, in]
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    module: int,
+) -> torch.Tensor:  # [T, max_rank]; scale applied; columns beyond a segment's rank stay 0
+    width = max(lora.max_rank, 1)
+    out = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)
+    rank = _module_rank(lora, layer, module)
+    if rank == 0:
+        return out
+    partial = _shrink_partials(x, pool_rows, lora, layer, module, rank, None)
+    out[:, :rank] = partial.sum(0)[:, :rank].to(x.dtype)
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, out], updated in place (may be a column slice of a fused output)
+    s: torch.Tensor,  # [T, max_rank] from lora_shrink
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    module: int,
+) -> None:
+    if _module_rank(lora, layer, module) == 0:
+        return
+    s = s if s.stride(1) == 1 else s.contiguous()
+    _expand_in_place(y, s.unsqueeze(0), pool_rows, lora, layer, module)
+
+
+def apply_lora(
+    y: torch.Tensor,  # [T, out]
+    x: torch.Tensor,  # [T, in]
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    module: int,
+    *,
+    split: int | None = None,  # K-split of the shrink (None: enough programs to fill the device)
+) -> None:
+    """y += each token's adapter delta for (layer, module); tokens without one are untouched.
+
+    Shrink into float32 partials, then expand from them: the rank-sized intermediate is never
+    rounded to the activation dtype on the decode variant (the tl.dot tiles round it, as torch does).
+    """
+    rank = _module_rank(lora, layer, module)
+    if rank == 0:
+        return
+    partial = _shrink_partials(x, pool_rows, lora, layer, module, rank, split)
+    _expand_in_place(y, partial, pool_rows, lora, layer, module)

@@ -1,0 +1,200 @@
+"""SGMV shrink and expand as Triton kernels that read adapter rows in place from the page pool.
+
+Addressing (docs/PAGE_POOL.md): A of one (layer, module) is [rank, K] row-major from logical row
+a_row, so A[r, k] is at logical row a_row + r*(K/D) + k//D, column k%D; B^T is [rank, N] from
+b_row the same way. Logical row L is physical row pages[L // rows_per_page] * rows_per_page +
+L % rows_per_page of the pool viewed as [rows, D].
+
+Every K (or N) chunk a program loads is BLOCK_K (BLOCK_N) elements with BLOCK_K a power of two
+dividing D, so one chunk of one rank row never leaves its pool row: the page lookup and the
+division by rows_per_page happen once per rank row per chunk (an [R_CHUNK] vector), and the
+R_CHUNK x BLOCK_K elements are contiguous runs that load as vectors.
+
+Ranks are mixed in one launch: rank is read per segment from the layout table and rows past it
+are masked, so a rank-8 adapter next to a rank-64 one issues rank-8 loads (shrink programs whose
+rank chunk lies past their segment's rank write zeros without a K loop; the expand loop runs
+cdiv(rank, R_CHUNK) times). Nothing is padded in memory.
+
+Tiles: the host cuts the batch into tiles (segment, first token, length <= BLOCK_M), including
+tiles of tokens outside every segment (segment -1), which shrink fills with zeros and expand skips.
+BLOCK_M == 1 is the decode (BGMV-style) variant: one token, products summed in registers;
+BLOCK_M > 1 multiplies with tl.dot (USE_DOT) or, where a chunk is too narrow for tl.dot on a GPU
+(BLOCK_K < 16), with a broadcast sum.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from .triton_launch import dual_kernel
+
+
+@dual_kernel
+def sgmv_shrink_kernel(
+    x_ptr,  # [T, K] activations, unit column stride
+    stride_xt,
+    pool_ptr,  # [R, D] pool rows, contiguous
+    out_ptr,  # [SPLIT, T, SR] float32 partial sums (scale applied), every element written
+    stride_os,
+    stride_ot,
+    tile_seg_ptr,  # [NT] int32, segment of each tile (-1: no adapter)
+    tile_start_ptr,  # [NT] int32, first token
+    tile_len_ptr,  # [NT] int32, tokens in the tile (<= BLOCK_M)
+    layout_ptr,  # [S, L, 7, 3] int32: rank, a_row, b_row
+    stride_lay,
+    scales_ptr,  # [S, L, 7] float32
+    stride_sc,
+    pages_ptr,  # [S, P] int32, each segment's adapter page table
+    stride_pg,
+    lay_off,  # offset of (layer, module) in a segment's layout
+    sc_off,  # offset of (layer, module) in a segment's scales
+    rows_per_page,
+    K,
+    chunks_per_split,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    R_CHUNK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rc = tl.program_id(2)
+    seg = tl.load(tile_seg_ptr + tile)
+    t0 = tl.load(tile_start_ptr + tile).to(tl.int64)
+    tlen = tl.load(tile_len_ptr + tile)
+    segc = tl.maximum(seg, 0)
+    rank = tl.load(layout_ptr + segc * stride_lay + lay_off)
+    rank = tl.where(seg >= 0, rank, 0)
+    a_row = tl.load(layout_ptr + segc * stride_lay + lay_off + 1)
+    scale = tl.load(scales_ptr + segc * stride_sc + sc_off)
+
+    r = rc * R_CHUNK + tl.arange(0, R_CHUNK)
+    rmask = r < rank
+    k = tl.arange(0, BLOCK_K)
+    kr = K // D  # pool rows per row of A
+    n_chunks = K // BLOCK_K
+    c_lo = split * chunks_per_split
+    c_hi = tl.minimum(c_lo + chunks_per_split, n_chunks)
+    # Programs past the segment's rank (or without an adapter) skip the loop and write zeros.
+    c_hi = tl.where(rc * R_CHUNK < rank, c_hi, c_lo)
+    page_row = pages_ptr + segc * stride_pg
+
+    if BLOCK_M == 1:
+        acc = tl.zeros([R_CHUNK], dtype=tl.float32)
+        for c in range(c_lo, c_hi):
+            k0 = c * BLOCK_K
+            lrow = a_row + r * kr + k0 // D
+            page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
+            prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
+            a = tl.load(pool_ptr + prow[:, None] * D + (k0 % D) + k[None, :], mask=rmask[:, None], other=0.0)
+            xv = tl.load(x_ptr + t0 * stride_xt + k0 + k)  # [BLOCK_K]
+            acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+        tl.store(out_ptr + split * stride_os + t0 * stride_ot + r, acc * scale)
+    else:
+        m = tl.arange(0, BLOCK_M)
+        mmask = m < tlen
+        tok = t0 + m
+        acc2 = tl.zeros([BLOCK_M, R_CHUNK], dtype=tl.float32)
+        for c in range(c_lo, c_hi):
+            k0 = c * BLOCK_K
+            lrow = a_row + r * kr + k0 // D
+            page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
+            prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
+            a = tl.load(pool_ptr + prow[:, None] * D + (k0 % D) + k[None, :], mask=rmask[:, None], other=0.0)
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + k0 + k[None, :], mask=mmask[:, None], other=0.0)
+            if USE_DOT:
+                acc2 = tl.dot(xt, tl.trans(a.to(xt.dtype)), acc2, input_precision=DOT_PREC)
+            else:
+                acc2 += tl.sum(xt.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :], axis=2)
+        ptrs = out_ptr + split * stride_os + tok[:, None] * stride_ot + r[None, :]
+        tl.store(ptrs, acc2 * scale, mask=mmask[:, None])
+
+
+@dual_kernel
+def sgmv_expand_kernel(
+    s_ptr,  # [SPLIT, T, >= rank] shrink output (partials summed here), any float dtype
+    stride_ss,
+    stride_st,
+    num_splits,
+    y_ptr,  # [T, N] updated in place (may be a column slice: unit column stride only)
+    stride_yt,
+    pool_ptr,  # [R, D] pool rows, contiguous
+    tile_seg_ptr,
+    tile_start_ptr,
+    tile_len_ptr,
+    layout_ptr,
+    stride_lay,
+    pages_ptr,
+    stride_pg,
+    lay_off,
+    rows_per_page,
+    N,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    R_CHUNK: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    nb = tl.program_id(1)
+    seg = tl.load(tile_seg_ptr + tile)
+    t0 = tl.load(tile_start_ptr + tile).to(tl.int64)
+    tlen = tl.load(tile_len_ptr + tile)
+    segc = tl.maximum(seg, 0)
+    rank = tl.load(layout_ptr + segc * stride_lay + lay_off)
+    rank = tl.where(seg >= 0, rank, 0)
+    b_row = tl.load(layout_ptr + segc * stride_lay + lay_off + 2)
+
+    n0 = nb * BLOCK_N
+    n = tl.arange(0, BLOCK_N)
+    nr = N // D  # pool rows per row of B^T
+    page_row = pages_ptr + segc * stride_pg
+    n_rc = tl.cdiv(rank, R_CHUNK)  # 0 without an adapter: y is then neither read nor written
+    n_lim = tl.where(rank > 0, BLOCK_N, 0)  # columns of y this program touches
+
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for rc in range(n_rc):
+            r = rc * R_CHUNK + tl.arange(0, R_CHUNK)
+            rmask = r < rank
+            sv = tl.zeros([R_CHUNK], dtype=tl.float32)
+            for sp in range(num_splits):
+                sv += tl.load(s_ptr + sp * stride_ss + t0 * stride_st + r, mask=rmask, other=0.0).to(tl.float32)
+            lrow = b_row + r * nr + n0 // D
+            page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
+            prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
+            b = tl.load(pool_ptr + prow[:, None] * D + (n0 % D) + n[None, :], mask=rmask[:, None], other=0.0)
+            acc += tl.sum(sv[:, None] * b.to(tl.float32), axis=0)
+        ymask = n < n_lim
+        yp = y_ptr + t0 * stride_yt + n0 + n
+        yv = tl.load(yp, mask=ymask, other=0.0)
+        tl.store(yp, (yv.to(tl.float32) + acc).to(yv.dtype), mask=ymask)
+    else:
+        m = tl.arange(0, BLOCK_M)
+        mmask = m < tlen
+        tok = t0 + m
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for rc in range(n_rc):
+            r = rc * R_CHUNK + tl.arange(0, R_CHUNK)
+            rmask = r < rank
+            smask = mmask[:, None] & rmask[None, :]
+            st = tl.zeros([BLOCK_M, R_CHUNK], dtype=tl.float32)
+            for sp in range(num_splits):
+                sptr = s_ptr + sp * stride_ss + tok[:, None] * stride_st + r[None, :]
+                st += tl.load(sptr, mask=smask, other=0.0).to(tl.float32)
+            lrow = b_row + r * nr + n0 // D
+            page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
+            prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
+            b = tl.load(pool_ptr + prow[:, None] * D + (n0 % D) + n[None, :], mask=rmask[:, None], other=0.0)
+            if USE_DOT:
+                # s rounded to the weights' dtype, as the torch path multiplies it.
+                acc2 = tl.dot(st.to(b.dtype), b, acc2, input_precision=DOT_PREC)
+            else:
+                acc2 += tl.sum(st[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        ymask = mmask[:, None] & (n[None, :] < n_lim)
+        yp = y_ptr + tok[:, None] * stride_yt + n0 + n[None, :]
+        yv = tl.load(yp, mask=ymask, other=0.0)
+        tl.store(yp, (yv.to(tl.float32) + acc2).to(yv.dtype), mask=ymask)
