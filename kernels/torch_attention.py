@@ -61,8 +61,10 @@ def paged_attention(
         lens = [meta.seq_lens_host[i] for i in idx]
         nblocks = (max(lens) + bs - 1) // bs
         pages = tables[idx, :nblocks].long()  # [B, nb]
-        kv = kv_pool[pages]  # [B, nb, 2, bs, kvh, hd]
         b = len(idx)
+        # index_select on whole pages: a plain memcpy per page, several times faster on the CPU
+        # than advanced indexing with a 2-D index.
+        kv = kv_pool.index_select(0, pages.view(-1)).view(b, nblocks, *kv_pool.shape[1:])  # [B, nb, 2, bs, kvh, hd]
         kv = kv.permute(0, 2, 4, 1, 3, 5).reshape(b, 2, kv_heads, nblocks * bs, head_dim)
         tok = torch.tensor([starts[i] for i in idx], dtype=torch.long, device=q.device)
         qd = q[tok].view(b, kv_heads, group, head_dim)
@@ -79,7 +81,7 @@ def paged_attention(
         ctx = slen - qlen
         nblocks = (slen + bs - 1) // bs
         pages = tables[i, :nblocks].long()
-        kv = kv_pool[pages]  # [nb, 2, bs, kvh, hd]
+        kv = kv_pool.index_select(0, pages)  # [nb, 2, bs, kvh, hd]
         kv = kv.permute(1, 3, 0, 2, 4).reshape(2, kv_heads, nblocks * bs, head_dim)[:, :, :slen]
         s0 = starts[i]
         # [qlen, H, hd] -> [kvh, G*qlen, hd], grouping the query heads that share a K/V head.
