@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from loraplex.config import DEFAULT_CPU_POOL_BYTES, DEFAULT_GPU_POOL_FRACTION, EngineConfig
-from loraplex.errors import AdapterNotFoundError, CapacityError, RequestError
+from loraplex.errors import CapacityError, RequestError
 from loraplex.kernels import select_kernels
 from loraplex.lora.peft_loader import load_peft_adapter
 from loraplex.lora.types import LoraAdapter
