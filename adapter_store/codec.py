@@ -113,10 +113,3 @@ def decode_adapter(
     return LoraAdapter(name=name, modules=modules, max_rank=max(m.rank for m in modules), source=source,
                        config=config)
 
-
-def pin(adapter: LoraAdapter) -> LoraAdapter:
-    """A copy in page-locked host memory (for asynchronous copies to a CUDA device)."""
-    from dataclasses import replace
-
-    modules = tuple(replace(m, a=m.a.pin_memory(), b=m.b.pin_memory()) for m in adapter.modules)
-    return replace(adapter, modules=modules)

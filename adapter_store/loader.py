@@ -1,7 +1,11 @@
-"""Fetch, verify and decode one adapter version from the object store, timing each stage.
+"""Fetch, verify, decode and pack one adapter version from the object store, timing each stage.
 
 A missing or corrupt blob marks the version unhealthy in the registry (so resolution stops choosing
 it) and raises AdapterUnavailableError: bad bytes are never decoded, let alone served.
+
+Packing puts the weights in the page pool's row layout (unified_pager.pack_adapter) here, on the
+loading thread, so that the engine thread places the adapter with one page-granular copy. The
+layout depends only on the model and the dtype, not on the engine's page size.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from loraplex.lora.types import LoraAdapter
 from loraplex.models.config import ModelConfig
+from loraplex.unified_pager import RowLayout, pack_adapter
 
 from .blobs import BlobStore
-from .codec import decode_adapter, pin
+from .codec import decode_adapter
 from .errors import AdapterUnavailableError, BlobCorruptError, BlobMissingError
 from .registry import Registry
 from .schemas import AdapterPublic
@@ -26,10 +31,11 @@ class LoadTimings:
     verify_s: float
     decode_s: float
     nbytes: int  # of the blob
+    pack_s: float = 0.0  # into the pool's row layout (and page-locked memory when pinning)
 
     @property
     def total_s(self) -> float:
-        return self.fetch_s + self.verify_s + self.decode_s
+        return self.fetch_s + self.verify_s + self.decode_s + self.pack_s
 
 
 def display_name(ref: AdapterPublic) -> str:
@@ -45,6 +51,7 @@ class AdapterLoader:
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.pin_memory = pin_memory
+        self.layout = RowLayout.for_model(model, dtype)
 
     def load(self, ref: AdapterPublic) -> tuple[LoraAdapter, LoadTimings]:
         t0 = time.perf_counter()
@@ -61,10 +68,11 @@ class AdapterLoader:
         t2 = time.perf_counter()
         adapter = decode_adapter(display_name(ref), data, self.model, self.max_lora_rank, self.dtype,
                                  source=f"store:{ref.id}")
-        if self.pin_memory:
-            adapter = pin(adapter)
         t3 = time.perf_counter()
+        # The packed rows replace the decoded tensors (which alias the blob): the blob's memory goes.
+        adapter = pack_adapter(adapter, self.layout, pin_memory=self.pin_memory)
+        t4 = time.perf_counter()
         # last_used_at moves when a version is loaded into host RAM, not per request: that keeps database
         # writes off the request path (the API can add per-request precision in its metering batches).
         self.registry.touch_last_used([ref.id])
-        return adapter, LoadTimings(t1 - t0, t2 - t1, t3 - t2, len(data))
+        return adapter, LoadTimings(t1 - t0, t2 - t1, t3 - t2, len(data), t4 - t3)

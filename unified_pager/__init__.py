@@ -5,16 +5,20 @@ AdapterResidency index tensors and block tables. Geometry and invariants: docs/P
 """
 
 from .adapter_pages import AdapterResidency, ModuleSlot
-from .geometry import PoolGeometry, row_width_for
+from .geometry import PoolGeometry, RowLayout, row_width_for
+from .packed_rows import PackedRows, pack_adapter
 from .pager import PoolStats, UnifiedPager
 from .pool import PagePool
 
 __all__ = [
     "AdapterResidency",
     "ModuleSlot",
+    "PackedRows",
     "PagePool",
     "PoolGeometry",
     "PoolStats",
+    "RowLayout",
     "UnifiedPager",
+    "pack_adapter",
     "row_width_for",
 ]

@@ -4,6 +4,8 @@ One page is ``rows_per_page`` rows of ``row_width`` (D) elements. KV uses a page
 ``block_size`` tokens of one layer, laid out [2 (K, V), block_size, num_kv_heads, head_dim];
 adapters use pages as a run of D-element rows (see adapter_pages.py). D is the gcd of every width
 an adapter matrix or a KV head can have, so every matrix row and every page splits into whole rows.
+RowLayout is the part of the geometry that an adapter's rows depend on (not the page size), so
+adapters can be packed into rows before anyone knows which pool, or which pages, they will go to.
 See docs/PAGE_POOL.md for the worked SmolLM2-135M example.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -23,6 +26,56 @@ def row_width_for(cfg: ModelConfig) -> int:
     """D = gcd(hidden, q_size, kv_size, intermediate, head_dim): every adapter in/out width and
     every KV page is a whole number of D-element rows."""
     return math.gcd(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """What an adapter's logical rows depend on (D, dtype) and are checked against (layers, shapes).
+
+    Page size is not part of it: pages only cut the logical row sequence into pieces. So an adapter
+    packed once into rows for a RowLayout (adapter_store's loader does it, off the engine thread)
+    goes into any pool whose geometry has this RowLayout with one page-granular copy.
+    """
+
+    row_width: int  # D
+    dtype: torch.dtype
+    num_layers: int
+    # (in_features, out_features) per TARGET_MODULES entry, or None when not built from a model.
+    module_shapes: tuple[tuple[int, int], ...] | None = None
+
+    @staticmethod
+    def for_model(cfg: ModelConfig, dtype: torch.dtype) -> "RowLayout":
+        """The layout PoolGeometry.for_model(cfg, ..., dtype, ...) has, whatever its page size."""
+        shapes = tuple(cfg.module_shape(m) for m in TARGET_MODULES)
+        return RowLayout(row_width_for(cfg), dtype, cfg.num_layers, shapes)
+
+    def module_rows(self, m: LoraModuleWeights) -> tuple[int, int]:
+        """(rows of A, rows of B^T) of one module; AdapterError if it does not fit this layout."""
+        self.check_module(m)
+        in_f, out_f = int(m.a.shape[1]), int(m.b.shape[0])
+        return m.rank * in_f // self.row_width, m.rank * out_f // self.row_width
+
+    def check_module(self, m: LoraModuleWeights) -> None:
+        where = f"layer {m.layer} {m.module}"
+        if m.module not in MODULE_INDEX:
+            raise AdapterError(f"{where}: unknown target module (supported: {', '.join(TARGET_MODULES)})")
+        if not 0 <= m.layer < self.num_layers:
+            raise AdapterError(f"{where}: layer out of range for a {self.num_layers}-layer model")
+        if m.rank < 1:
+            raise AdapterError(f"{where}: rank must be >= 1, got {m.rank}")
+        if m.a.dim() != 2 or m.b.dim() != 2 or m.a.shape[0] != m.rank or m.b.shape[1] != m.rank:
+            raise AdapterError(
+                f"{where}: expected a [rank, in] and b [out, rank] with rank {m.rank}, "
+                f"got a {tuple(m.a.shape)} and b {tuple(m.b.shape)}"
+            )
+        in_f, out_f = int(m.a.shape[1]), int(m.b.shape[0])
+        if self.module_shapes is not None and (in_f, out_f) != self.module_shapes[MODULE_INDEX[m.module]]:
+            raise AdapterError(
+                f"{where}: shape (in {in_f}, out {out_f}) does not match the base model's "
+                f"{self.module_shapes[MODULE_INDEX[m.module]]}"
+            )
+        if in_f % self.row_width or out_f % self.row_width:
+            raise AdapterError(f"{where}: in {in_f} / out {out_f} are not multiples of the pool row width {self.row_width}")
 
 
 @dataclass(frozen=True)
@@ -106,36 +159,23 @@ class PoolGeometry:
 
     # -- adapters ----------------------------------------------------------------------------
 
+    @cached_property  # compared on every placement: build it once (frozen dataclasses allow this)
+    def row_layout(self) -> RowLayout:
+        return RowLayout(self.row_width, self.dtype, self.num_layers, self.module_shapes)
+
     def module_rows(self, m: LoraModuleWeights) -> tuple[int, int]:
         """(rows of A, rows of B^T) of one module; AdapterError if it does not fit this geometry."""
-        self.check_module(m)
-        in_f, out_f = int(m.a.shape[1]), int(m.b.shape[0])
-        return m.rank * in_f // self.row_width, m.rank * out_f // self.row_width
+        return self.row_layout.module_rows(m)
 
     def adapter_num_rows(self, adapter: LoraAdapter) -> int:
-        return sum(sum(self.module_rows(m)) for m in adapter.modules)
+        packed = adapter.packed
+        if packed is not None and packed.layout == self.row_layout:
+            return packed.num_rows  # checked when it was packed: no pass over the modules
+        layout = self.row_layout
+        return sum(sum(layout.module_rows(m)) for m in adapter.modules)
 
     def adapter_num_pages(self, adapter: LoraAdapter) -> int:
         return -(-self.adapter_num_rows(adapter) // self.rows_per_page)
 
     def check_module(self, m: LoraModuleWeights) -> None:
-        where = f"layer {m.layer} {m.module}"
-        if m.module not in MODULE_INDEX:
-            raise AdapterError(f"{where}: unknown target module (supported: {', '.join(TARGET_MODULES)})")
-        if not 0 <= m.layer < self.num_layers:
-            raise AdapterError(f"{where}: layer out of range for a {self.num_layers}-layer model")
-        if m.rank < 1:
-            raise AdapterError(f"{where}: rank must be >= 1, got {m.rank}")
-        if m.a.dim() != 2 or m.b.dim() != 2 or m.a.shape[0] != m.rank or m.b.shape[1] != m.rank:
-            raise AdapterError(
-                f"{where}: expected a [rank, in] and b [out, rank] with rank {m.rank}, "
-                f"got a {tuple(m.a.shape)} and b {tuple(m.b.shape)}"
-            )
-        in_f, out_f = int(m.a.shape[1]), int(m.b.shape[0])
-        if self.module_shapes is not None and (in_f, out_f) != self.module_shapes[MODULE_INDEX[m.module]]:
-            raise AdapterError(
-                f"{where}: shape (in {in_f}, out {out_f}) does not match the base model's "
-                f"{self.module_shapes[MODULE_INDEX[m.module]]}"
-            )
-        if in_f % self.row_width or out_f % self.row_width:
-            raise AdapterError(f"{where}: in {in_f} / out {out_f} are not multiples of the pool row width {self.row_width}")
+        self.row_layout.check_module(m)

@@ -3,7 +3,10 @@
 Ownership lives in two host-side numpy arrays (kind and owner id per page) so that taking and
 returning pages costs O(pages moved), and the integrity check is one O(num_pages) pass. The
 free list is a stack (a numpy array and a top index): the pages freed last are reused first,
-which keeps recently touched memory warm.
+which keeps recently touched memory warm. take() returns pages in the order they are popped and
+release() pushes them so that they pop again in the same order: a fresh pool hands out ascending
+runs (0, 1, 2, ...), and pages freed together come back as the same runs, which lets an adapter's
+rows go in with a few large copies instead of one per page (adapter_pages.write_pages).
 """
 
 from __future__ import annotations
@@ -65,21 +68,22 @@ class PagePool:
         return self._free[: self._top].copy()
 
     def take(self, n: int, kind: int, owner: int) -> np.ndarray:
-        """Pop n pages and mark them owned; the caller has checked n <= num_free."""
+        """Pop n pages (in pop order) and mark them owned; the caller has checked n <= num_free."""
         if n > self._top:
             raise AssertionError(f"take({n}) with only {self._top} free pages: callers must check first")
-        pages = self._free[self._top - n : self._top].copy()  # [n] int64
+        pages = self._free[self._top - n : self._top][::-1].copy()  # [n] int64, the top of the stack first
         self._top -= n
         self.kind[pages] = kind
         self.owner[pages] = owner
         return pages
 
     def release(self, pages: np.ndarray) -> None:
-        """Push pages back on the free list (pages: [n] int64, all owned, none repeated)."""
+        """Push pages back on the free list (pages: [n] int64, all owned, none repeated), pages[0] on
+        top: a take of the same size pops them in the same order."""
         n = len(pages)
         if self._top + n > self.num_pages:
             raise AssertionError(f"release of {n} pages would overfill the free list: a page was released twice")
         self.kind[pages] = FREE
         self.owner[pages] = NO_OWNER
-        self._free[self._top : self._top + n] = pages
+        self._free[self._top : self._top + n] = pages[::-1]
         self._top += n
