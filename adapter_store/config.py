@@ -46,6 +46,7 @@ class StoreConfig:
     gc_min_age_s: float = 3600.0  # an unreferenced blob younger than this may belong to an upload in flight
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir))  # a str from flags or the environment
         for name in ("max_lora_rank", "max_upload_bytes", "max_archive_members", "host_cache_bytes",
                      "prefetch_workers"):
             value = getattr(self, name)

@@ -15,6 +15,7 @@ from .models import ApiKey, Tenant
 from .names import check_name
 from .schemas import (
     ROLES,
+    TENANT_SETTINGS,
     ApiKeyCreate,
     ApiKeyCreated,
     ApiKeyPublic,
@@ -26,14 +27,29 @@ from .timeutil import aware, utcnow
 
 
 def tenant_public(row: Tenant) -> TenantPublic:
-    return TenantPublic(id=row.id, name=row.name, ttft_target_ms=row.ttft_target_ms, created_at=aware(row.created_at))
+    return TenantPublic(id=row.id, name=row.name, ttft_target_ms=row.ttft_target_ms, created_at=aware(row.created_at),
+                        requests_per_minute=row.requests_per_minute, tokens_per_minute=row.tokens_per_minute,
+                        max_concurrent=row.max_concurrent, share=row.share if row.share is not None else 1.0)
+
+
+def _check_settings(values: dict) -> dict:
+    for name, value in values.items():
+        if name not in TENANT_SETTINGS:
+            raise RequestError(f"{name!r} is not a tenant setting; settings are {', '.join(TENANT_SETTINGS)}")
+        if name == "share":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1000:
+                raise RequestError(f"share must be a number in (0, 1000], got {value!r}")
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise RequestError(f"{name} must be a positive integer or null, got {value!r}")
+    return values
 
 
 def create_tenant(session: Session, data: TenantCreate) -> TenantPublic:
     name = check_name(data.name, "tenant name")
     if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
         raise ConflictError(f"tenant {name!r} already exists")
-    row = Tenant(id=str(uuid.uuid4()), name=name, ttft_target_ms=data.ttft_target_ms, created_at=utcnow())
+    settings = _check_settings({k: getattr(data, k) for k in TENANT_SETTINGS})
+    row = Tenant(id=str(uuid.uuid4()), name=name, created_at=utcnow(), **settings)
     session.add(row)
     session.flush()
     return tenant_public(row)
@@ -50,6 +66,18 @@ def get_tenant_by_name(session: Session, name: str) -> TenantPublic:
     row = session.scalar(select(Tenant).where(Tenant.name == name))
     if row is None:
         raise NotFoundError(f"tenant {name!r} does not exist")
+    return tenant_public(row)
+
+
+def update_tenant(session: Session, name: str, changes: dict) -> TenantPublic:
+    """Set some of a tenant's settings (TENANT_SETTINGS); fields not given keep their values."""
+    _check_settings(changes)
+    row = session.scalar(select(Tenant).where(Tenant.name == name))
+    if row is None:
+        raise NotFoundError(f"tenant {name!r} does not exist")
+    for key, value in changes.items():
+        setattr(row, key, value)
+    session.flush()
     return tenant_public(row)
 
 

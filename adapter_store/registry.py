@@ -63,6 +63,9 @@ class Registry:
     def get_tenant_by_name(self, name: str) -> TenantPublic:
         return self._tx(lambda s: crud_tenants.get_tenant_by_name(s, name))
 
+    def update_tenant(self, name: str, changes: dict) -> TenantPublic:
+        return self._tx(lambda s: crud_tenants.update_tenant(s, name, changes))
+
     def ensure_tenant(self, name: str) -> TenantPublic:
         try:
             return self.create_tenant(TenantCreate(name=name))
@@ -139,6 +142,8 @@ class Registry:
 
     # -- usage ---------------------------------------------------------------------------------
     def record_usage(self, events: Sequence[UsageEventCreate]) -> int:
+        """Raw rows only, without the hourly rollups that reports read: the server records usage through
+        loraplex.metering.UsageRecorder instead (kept for bulk imports of raw history)."""
         return self._tx(lambda s: crud_usage.record_usage(s, events))
 
 

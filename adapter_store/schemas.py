@@ -21,6 +21,10 @@ USAGE_STATUSES = ("ok", "cancelled", "refused", "error")
 class TenantCreate:
     name: str
     ttft_target_ms: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+    share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,14 @@ class TenantPublic:
     name: str
     ttft_target_ms: int | None
     created_at: datetime
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+    share: float = 1.0
+
+
+# What an operator may change on a tenant (PATCH semantics: only the fields given).
+TENANT_SETTINGS = ("ttft_target_ms", "requests_per_minute", "tokens_per_minute", "max_concurrent", "share")
 
 
 @dataclass(frozen=True)

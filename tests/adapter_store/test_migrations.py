@@ -15,7 +15,7 @@ from loraplex.adapter_store import migrate
 from loraplex.adapter_store.db import make_engine
 from loraplex.adapter_store.models import Base
 
-TABLES = {"tenants", "api_keys", "adapters", "usage_events"}
+TABLES = {"tenants", "api_keys", "adapters", "usage_events", "usage_hourly", "latency_hourly", "latency_daily"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
