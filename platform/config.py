@@ -35,6 +35,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (one pool page per layer per block)
     max_model_len: int | None = None  # None: the model's own limit
     kernels: str = "auto"  # "auto" | "torch" | "triton"; LORAPLEX_KERNELS sets it in from_env
+    queue_policy: str = "fcfs"  # order of waiting requests: "fcfs" | "lifo" | "vtc" (fair across tenants)
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:
@@ -43,6 +44,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_lora_rank", "block_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.queue_policy not in ("fcfs", "lifo", "vtc"):
+            raise ConfigError(f"queue_policy {self.queue_policy!r} is not one of fcfs, lifo, vtc")
         if self.pool_bytes is not None and self.pool_bytes <= 0:
             raise ConfigError(f"pool_bytes must be positive, got {self.pool_bytes}")
         try:

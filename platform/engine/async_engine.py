@@ -13,11 +13,12 @@ import queue
 import threading
 import uuid
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import AsyncIterator
 
 from loraplex.config import EngineConfig
 
-from .engine_core import EngineCore
+from .engine_core import EngineCore, EngineStats
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -31,11 +32,24 @@ class _Add:
     params: SamplingParams
     adapter: str | None
     sink: "_Sink"
+    # Runs on the engine thread just before the add and returns the adapter name to use: this is how
+    # a store adapter, already decoded off the loop, is installed in the engine without a lock.
+    prepare: Callable[[], str | None] | None = None
+    tenant: str | None = None
+    share: float = 1.0
+    ttft_deadline: float | None = None
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A function to run on the engine thread between steps (e.g. drop a deleted adapter)."""
+
+    fn: Callable[[], object]
 
 
 class _Sink:
@@ -68,6 +82,9 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._closed = False
         self.error: BaseException | None = None
+        # A snapshot taken by the engine thread after every step: readers on other threads (metrics,
+        # readiness, admission) must not walk the scheduler's lists while the step changes them.
+        self.stats: EngineStats = self.engine.stats()
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -78,14 +95,19 @@ class AsyncEngine:
         params: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
+        prepare: Callable[[], str | None] | None = None,
+        tenant: str | None = None,
+        share: float = 1.0,
+        ttft_deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; the last one has finished=True. If the
-        caller stops iterating (a client hung up), the request is aborted."""
+        caller stops iterating (a client hung up), the request is aborted. `prepare`, if given, runs
+        on the engine thread before the add and names the adapter (replacing `adapter`)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         rid = request_id or f"async-{uuid.uuid4().hex}"
         sink = _Sink(asyncio.get_running_loop())
-        self._send(_Add(rid, prompt, params, adapter, sink))
+        self._send(_Add(rid, prompt, params, adapter, sink, prepare, tenant, share, ttft_deadline))
         finished = False
         try:
             while True:
@@ -105,6 +127,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
+
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        """Run fn on the engine thread before the next step (errors are logged, never raised there)."""
+        self._send(_Call(fn))
 
     def _send(self, cmd) -> None:
         with self._lock:
@@ -136,10 +162,17 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(cmd.prompt, cmd.params, cmd.adapter, cmd.request_id)
+                    adapter = cmd.prepare() if cmd.prepare is not None else cmd.adapter
+                    self.engine.add_request(cmd.prompt, cmd.params, adapter, cmd.request_id, cmd.tenant, cmd.share,
+                                            cmd.ttft_deadline)
                     self._sinks[cmd.request_id] = cmd.sink
                 except Exception as e:  # refused: the caller gets the error, the engine is unchanged
                     cmd.sink.put(e)
+            elif isinstance(cmd, _Call):
+                try:
+                    cmd.fn()
+                except Exception:
+                    log.exception("engine-thread call %r failed", cmd.fn)
             else:
                 out = self.engine.abort_request(cmd.request_id)
                 sink = self._sinks.pop(cmd.request_id, None)
@@ -153,9 +186,12 @@ class AsyncEngine:
                 self._wake.clear()
                 self._apply_commands()
                 if not self.engine.has_unfinished():
+                    self.stats = self.engine.stats()
                     self._wake.wait(0.5)
                     continue
-                for out in self.engine.step():
+                outs = self.engine.step()
+                self.stats = self.engine.stats()
+                for out in outs:
                     sink = self._sinks.get(out.request_id)
                     if sink is not None:
                         sink.put(out)

@@ -24,6 +24,7 @@ from loraplex.unified_pager import PoolGeometry, UnifiedPager
 from .adapters import AdapterKey, AdapterTable
 from .model_runner import ModelRunner, RunnerOutput
 from .output_processor import OutputProcessor
+from .queue_policy import make_queue_policy
 from .request import Request, RequestOutput, RequestStatus
 from .sampler import Sampler, make_generator
 from .sampling_params import SamplingParams
@@ -61,7 +62,8 @@ class EngineCore:
         geometry = PoolGeometry.for_model(self.model_config, self._pool_bytes(device), dtype, config.block_size)
         self.pager = UnifiedPager(geometry, device)
         self.adapters = AdapterTable(self.pager)
-        self.scheduler = Scheduler(self.pager, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pager, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
+                                   make_queue_policy(config.queue_policy))
         self.ops = select_kernels(device, config.kernels)
         self.runner = ModelRunner(self.model, self.pager, self.ops, Sampler())
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
@@ -69,6 +71,8 @@ class EngineCore:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
+        # SLO early abort and step-cost fitting (loraplex.admission.slo.SloController); None: off.
+        self.slo = None
 
     def _pool_bytes(self, device: torch.device) -> int:
         if self.config.pool_bytes is not None:
@@ -108,8 +112,12 @@ class EngineCore:
         params: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
+        tenant: str | None = None,
+        share: float = 1.0,
+        ttft_deadline: float | None = None,
     ) -> Request:
-        """Validate and queue a request; raises (changing nothing) if it can never be served."""
+        """Validate and queue a request; raises (changing nothing) if it can never be served.
+        `tenant` and `share` feed the fair queue policy (VTC); they change nothing else."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -121,6 +129,8 @@ class EngineCore:
                 f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
                 f"(at least one token must remain for the output)"
             )
+        if not share > 0:
+            raise RequestError(f"share must be positive, got {share}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need tokenizer files, which this model lacks")
         key = self.adapters.resolve(adapter) if adapter is not None else None
@@ -142,6 +152,9 @@ class EngineCore:
             adapter=adapter,
             max_total_tokens=self.max_model_len,
             generator=make_generator(params.seed) if params.seed is not None else None,
+            tenant=tenant,
+            share=float(share),
+            ttft_deadline=ttft_deadline,
         )
         self.outputs.add(req)
         self.requests[rid] = req
@@ -161,15 +174,36 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        expired = self._abort_unreachable() if self.slo is not None else []
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if not sched.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise CapacityError("no waiting request fits in the pool even with nothing running")
-            return []
+            return expired
+        cached = sum(c.request.num_computed_tokens for c in sched.chunks)  # KV read before this step
+        t0 = time.perf_counter()
         result = self.runner.execute(sched)
+        seconds = time.perf_counter() - t0
         self.num_steps += 1
-        return self._postprocess(sched, result)
+        outs = self._postprocess(sched, result)
+        if self.slo is not None:
+            from loraplex.admission.cost_model import StepRecord
+
+            self.slo.after_step(StepRecord(sched.num_tokens, cached, len(sched.chunks), seconds),
+                                self.scheduler.running, self.scheduler.policy.order(self.scheduler.waiting))
+        return expired + outs
+
+    def _abort_unreachable(self) -> list[RequestOutput]:
+        """S-LoRA's early abort: queued requests that can no longer meet their TTFT deadline leave now."""
+        late = self.slo.unreachable(self.scheduler.running, self.scheduler.policy.order(self.scheduler.waiting),
+                                    time.monotonic())
+        outs = []
+        for req in late:
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, RequestStatus.FINISHED_SLO_MISSED)
+            outs.append(self.outputs.finish(req))
+        return outs
 
     def _postprocess(self, sched, result: RunnerOutput) -> list[RequestOutput]:
         now = time.monotonic()
@@ -177,12 +211,16 @@ class EngineCore:
         for chunk in sched.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_new_tokens
+            prompt_done = min(req.num_computed_tokens, len(req.prompt_token_ids))
+            new_prompt = max(0, prompt_done - req.prompt_tokens_charged)
+            req.prompt_tokens_charged += new_prompt
             span = result.logits.get(req.request_id)
             if span is not None:
                 first, rows = span
                 assert first == len(req.logits_rows)
                 req.logits_rows.extend(rows.unbind(0))
             token = result.sampled.get(req.request_id)
+            self.scheduler.account(req, new_prompt, 0 if token is None else 1)
             if token is None:
                 continue  # a prompt chunk that did not reach the end
             req.output_token_ids.append(token)

@@ -81,6 +81,7 @@ class OutputProcessor:
             prompt_logits=prompt_logits,
             logits=logits,
             arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
         )

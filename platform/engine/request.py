@@ -18,10 +18,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_SLO_MISSED = "slo_unreachable"  # aborted while queued: its TTFT target can no longer be met
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_SLO_MISSED)
 
 
 @dataclass(eq=False)
@@ -34,6 +36,10 @@ class Request:
     adapter: str | None  # adapter name, None for the base model
     max_total_tokens: int  # prompt + output may not exceed this (model context)
     generator: torch.Generator | None = None
+    tenant: str | None = None  # whose request: the fair queue policy (VTC) counts service per tenant
+    share: float = 1.0  # the tenant's weight under VTC (2.0: twice the service of a tenant with 1.0)
+    ttft_deadline: float | None = None  # time.monotonic() by which the first token must come (SLO)
+    prompt_tokens_charged: int = 0  # prompt tokens counted as service once (a recompute is not recharged)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -75,5 +81,6 @@ class RequestOutput:
     prompt_logits: torch.Tensor | None = None  # [P, V] with return_logits, when finished
     logits: torch.Tensor | None = None  # [n_out, V]: the distribution each output token came from
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # when its first chunk ran: queue time = this - arrival
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -2,8 +2,9 @@
 
 One rule, as in vLLM V1: each request's num_computed_tokens catches up with its num_tokens.
 There is no prefill or decode phase: a step mixes prompt chunks and single decode tokens under
-one token budget. Running requests go first, in the order they started; then waiting ones in
-arrival order (skipping, for now, any whose adapter cannot be placed yet). A request is scheduled
+one token budget. Running requests go first, in the order they started; then waiting ones in the
+order of the queue policy (FCFS, LIFO, or VTC fairness across tenants: queue_policy.py), skipping any
+whose adapter cannot be placed yet. A request is scheduled
 only when its adapter is resident in the pool. When pages
 run out, the pager first evicts idle adapters; if that is not enough, the newest running request
 is preempted (its KV freed, recomputed later).
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from loraplex.unified_pager import UnifiedPager
 
 from .adapters import AdapterKey, AdapterTable
+from .queue_policy import Fcfs, QueuePolicy
 from .request import Request, RequestStatus
 
 
@@ -39,8 +41,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pager: UnifiedPager, adapters: AdapterTable, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pager: UnifiedPager, adapters: AdapterTable, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: QueuePolicy | None = None):
         self.pager = pager
+        self.policy = policy if policy is not None else Fcfs()
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,6 +58,7 @@ class Scheduler:
         if adapter is not None:
             self.adapters.acquire(adapter)
         self.waiting.append(req)
+        self.policy.on_add(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -70,6 +75,11 @@ class Scheduler:
         key = self.adapter_keys.pop(req.request_id, None)
         if key is not None:
             self.adapters.release(key)
+        self.policy.on_finish(req)
+
+    def account(self, req: Request, prompt_tokens: int, output_tokens: int) -> None:
+        """The engine computed this many prompt tokens and generated this many tokens for req."""
+        self.policy.on_tokens(req, prompt_tokens, output_tokens)
 
     def _release_pages(self, req: Request) -> None:
         self.pager.free_kv(req.request_id)
@@ -107,11 +117,11 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing more fits
 
-        # Waiting requests in arrival order. One whose adapter cannot be placed yet is skipped, not
+        # Waiting requests in the policy's order. One whose adapter cannot be placed yet is skipped, not
         # waited on: it must not hold back base-model requests or requests for resident adapters
         # (head-of-line blocking). A KV allocation that fails ends the scan: the pool is full.
         admitted: list[Request] = []
-        for req in (list(self.waiting) if not preempted else []):
+        for req in (self.policy.order(self.waiting) if not preempted else ()):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             key = self.adapter_keys[req.request_id]
