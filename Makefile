@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test generate clean
+.PHONY: venv test generate serve clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The main job: the OpenAI-compatible server on embedded defaults (the default model, SQLite and a
+# local object folder under $LORAPLEX_HOME/data). Flags: SERVE_ARGS="--port 9000 ...".
+serve: $(STAMP)
+	$(BIN)/loraplex serve $(SERVE_ARGS)
 
 PROMPT ?= The capital of France is
 generate: $(STAMP)

@@ -51,8 +51,12 @@ class EngineAdapterBridge:
 
     def prepare(self, ref: AdapterPublic) -> str:
         """Make this version the engine's copy of its name; returns the name to pass to add_request."""
+        return self.install(ref, self.store.get(ref))  # a hit, or waits for the (single-flight) load
+
+    def install(self, ref: AdapterPublic, adapter: LoraAdapter) -> str:
+        """prepare() for an adapter already decoded (by prefetch, off the engine thread): the engine
+        thread then never waits on object storage."""
         self.sync()
-        adapter = self.store.get(ref)  # a hit, or waits for the (single-flight) load
         name = engine_adapter_name(ref)
         try:
             current = self.engine.adapters.resolve(name)

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loraplex.adapter_store.cli_commands import add_store_commands
 
     add_store_commands(sub)
+    from loraplex.api.cli_commands import add_server_commands
+
+    add_server_commands(sub)
     return p
 
 

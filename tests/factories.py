@@ -84,3 +84,37 @@ def edit_adapter_config(adapter_dir: Path, **changes) -> None:
     cfg = json.loads(path.read_text())
     cfg.update(changes)
     path.write_text(json.dumps(cfg))
+
+
+# ChatML, as SmolLM2 and Qwen2 use: the template writes every special token itself.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_TOKENIZER_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello, how are you today?",
+    "LoRA adapters share one base model.", "Paged attention reads keys and values through block tables.",
+    "Bonjour le monde, comment allez-vous ?", "def f(x):\n    return x * 2\n",
+]
+TINY_TOKENIZER_VOCAB = 320
+
+
+def add_tiny_tokenizer(model_dir: Path) -> Path:
+    """Save a byte-level BPE tokenizer (trained here, every byte a token) with a ChatML chat template
+    into model_dir. Ids: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2 (the tiny models' EOS).
+    The model's vocab_size must be at least TINY_TOKENIZER_VOCAB."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_TOKENIZER_VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                                  "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TINY_TOKENIZER_CORPUS * 3, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None)
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(model_dir)
+    return Path(model_dir)

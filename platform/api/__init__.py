@@ -1,0 +1,1 @@
+"""The HTTP API: OpenAI-compatible inference, adapters, tenants and keys, reports, operations."""
