@@ -159,7 +159,20 @@ def test_same_seed_same_tokens_whatever_the_batch(model_dir, adapter_dirs, llm):
         assert run(small, 16, names) == alone
         preemptions += small.engine.stats().num_preemptions
         smalls.append(small)
-    assert preemptions > 0
+    # Whether the random batches above preempt depends on their random lengths. This one always does:
+    # prompts of exactly one block fill the pool at admission (more of them than it has blocks), and the
+    # first decode step needs a fresh block for every running request.
+    block = llm.engine.config.block_size
+    squeezed = make_llm(model_dir, adapter_dirs, pool_bytes=(adapter_pages + 2 * geo.kv_pages_for_tokens(40 + N))
+                        * geo.page_bytes)
+    n_req = squeezed.engine.pager.geometry.num_pages // geo.kv_pages_for_tokens(block) + 4
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(block)] for _ in range(n_req)]
+    greedy = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+    want = [llm.generate([p], greedy)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in squeezed.generate(prompts, greedy)] == want
+    preemptions += squeezed.engine.stats().num_preemptions
+    assert squeezed.engine.stats().num_preemptions > 0
+    smalls.append(squeezed)
     for e in (llm, chunked, *smalls):
         e.engine.pager.check_integrity()
         assert e.engine.stats().kv_pages == 0
