@@ -104,9 +104,10 @@ def list_adapters(
     cursor: str | None = None,
     statuses: Sequence[str] = LIVE_STATUSES,
     name: str | None = None,
+    search: str | None = None,
 ) -> Page[AdapterPublic]:
     """The tenant's adapter versions ordered by (name, version); keyset-paginated so that page n costs
-    the same as page 1 at any size."""
+    the same as page 1 at any size. search: only names containing it (case-insensitive)."""
     if not 1 <= limit <= 1000:
         raise RequestError(f"limit must be between 1 and 1000, got {limit}")
     bad = [s for s in statuses if s not in ADAPTER_STATUSES]
@@ -115,6 +116,8 @@ def list_adapters(
     query = select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.status.in_(list(statuses)))
     if name is not None:
         query = query.where(Adapter.name == name)
+    if search:
+        query = query.where(_name_contains(search))
     if cursor is not None:
         after_name, after_version = decode_cursor(cursor, 2)
         query = query.where(or_(Adapter.name > after_name,
@@ -126,10 +129,19 @@ def list_adapters(
     return Page([adapter_public(r) for r in rows], nxt)
 
 
-def count_adapters(session: Session, tenant_id: str, statuses: Sequence[str] = LIVE_STATUSES) -> int:
+def count_adapters(session: Session, tenant_id: str, statuses: Sequence[str] = LIVE_STATUSES,
+                   search: str | None = None) -> int:
     query = select(func.count()).select_from(Adapter).where(Adapter.tenant_id == tenant_id,
                                                             Adapter.status.in_(list(statuses)))
+    if search:
+        query = query.where(_name_contains(search))
     return int(session.scalar(query) or 0)
+
+
+def _name_contains(text: str):
+    """Adapter.name contains text, case-insensitively, with LIKE's wildcards taken literally."""
+    escaped = text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return func.lower(Adapter.name).like(f"%{escaped}%", escape="\\")
 
 
 def set_status(session: Session, adapter_id: str, status: str, detail: str | None) -> None:

@@ -110,11 +110,12 @@ class Registry:
 
     def list_adapters(self, tenant_id: str, limit: int = 100, cursor: str | None = None,
                       statuses: Sequence[str] = crud_adapters.LIVE_STATUSES,
-                      name: str | None = None) -> Page[AdapterPublic]:
-        return self._tx(lambda s: crud_adapters.list_adapters(s, tenant_id, limit, cursor, statuses, name))
+                      name: str | None = None, search: str | None = None) -> Page[AdapterPublic]:
+        """search: only names containing it, case-insensitively (the dashboard's search box)."""
+        return self._tx(lambda s: crud_adapters.list_adapters(s, tenant_id, limit, cursor, statuses, name, search))
 
-    def count_adapters(self, tenant_id: str) -> int:
-        return self._tx(lambda s: crud_adapters.count_adapters(s, tenant_id))
+    def count_adapters(self, tenant_id: str, search: str | None = None) -> int:
+        return self._tx(lambda s: crud_adapters.count_adapters(s, tenant_id, search=search))
 
     def mark_unhealthy(self, adapter_id: str, detail: str) -> None:
         self._tx(lambda s: crud_adapters.set_status(s, adapter_id, "unhealthy", detail))

@@ -27,6 +27,8 @@ from loraplex.adapter_store.schemas import ApiKeyCreate
 from loraplex.adapter_store.store import AdapterStore
 from loraplex.admission import FailoverLimiter, LocalLimiter, RedisLimiter
 from loraplex.admission.slo import SloController
+from loraplex.admin_ui import UPLOAD_PATH as ADMIN_UPLOAD_PATH
+from loraplex.admin_ui import mount_admin
 from loraplex.metering.recorder import UsageRecorder
 
 from . import routes_adapters, routes_inference, routes_ops, routes_reports, routes_tenants
@@ -201,10 +203,13 @@ def create_app(config: ServerConfig, load_in_background: bool = True) -> FastAPI
                   description="OpenAI-compatible multi-LoRA serving: name the adapter with `adapter_id`.")
     install_handlers(app)
     upload_cap = config.store.max_upload_bytes + UPLOAD_FORM_OVERHEAD
-    app.add_middleware(BodyLimit, limit_for=lambda path: upload_cap if path.startswith("/v1/adapters")
+    # The dashboard's upload posts the same multipart form as POST /v1/adapters: the same cap.
+    app.add_middleware(BodyLimit, limit_for=lambda path: upload_cap if path.startswith(("/v1/adapters",
+                                                                                         ADMIN_UPLOAD_PATH))
                        else MAX_JSON_BODY)
     for module in (routes_inference, routes_adapters, routes_tenants, routes_reports, routes_ops):
         app.include_router(module.router)
+    mount_admin(app)  # the tenant dashboard at /admin (loraplex.admin_ui)
     return app
 
 

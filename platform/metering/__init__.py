@@ -8,17 +8,17 @@
 
 Files: records.py (the record), recorder.py (queue + thread), writer.py (one batch = one transaction:
 raw usage_events + rollups), rollup.py (a batch's counters and histograms), histogram.py (the log
-bucket scheme and its 1% bound), reports.py (the two reports), report_range.py (range checks and
-alignment), report_types.py (row types), report_csv.py, grouping.py and percentiles.py (vectorised
-grouping and histogram merging), fetch.py (bulk reads), source.py (Registry or Engine). README.md has
-the invariants.
+bucket scheme and its 1% bound), reports.py (the two reports, and latency_percentiles for any
+percentiles, e.g. the dashboard's p95), report_range.py (range checks and alignment), report_types.py
+(row types), report_csv.py, grouping.py and percentiles.py (vectorised grouping and histogram merging),
+fetch.py (bulk reads), source.py (Registry or Engine). README.md has the invariants.
 """
 
 from .records import UsageRecord
 from .recorder import RecorderStats, UsageRecorder
 from .report_csv import rows_from_csv, rows_to_csv
-from .report_types import LatencyRow, UsageRow
-from .reports import latency_report, usage_report
+from .report_types import LatencyPercentileRow, LatencyRow, UsageRow
+from .reports import latency_percentiles, latency_report, usage_report
 
-__all__ = ["LatencyRow", "RecorderStats", "UsageRecord", "UsageRecorder", "UsageRow", "latency_report",
-           "rows_from_csv", "rows_to_csv", "usage_report"]
+__all__ = ["LatencyPercentileRow", "LatencyRow", "RecorderStats", "UsageRecord", "UsageRecorder", "UsageRow",
+           "latency_percentiles", "latency_report", "rows_from_csv", "rows_to_csv", "usage_report"]

@@ -54,3 +54,22 @@ class LatencyRow:
     e2e_p90: float | None
     e2e_p99: float | None
     ttft_within_target_share: float | None
+
+
+@dataclass(frozen=True)
+class LatencyPercentileRow:
+    """latency_percentiles' row: any percentiles (e.g. the dashboard's p50/p95/p99), read from the merged
+    histograms. ttft, itl and e2e hold one value per requested percentile (milliseconds, None: no such
+    measurement); the other fields mean what LatencyRow's do."""
+
+    bucket_start: datetime  # with per_bucket=False: the start of the (widened) range
+    tenant_id: str
+    adapter: str
+    adapter_version: int | None
+    adapter_id: str | None
+    requests: int
+    pcts: tuple[int, ...]
+    ttft: tuple[float | None, ...]
+    itl: tuple[float | None, ...]
+    e2e: tuple[float | None, ...]
+    ttft_within_target_share: float | None

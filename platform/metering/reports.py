@@ -20,25 +20,47 @@ tenants hourly is ~4*10^4 rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import fields
 from datetime import datetime
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, LargeBinary, Select, and_, cast, func, literal, select
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    LargeBinary,
+    Select,
+    and_,
+    bindparam,
+    cast,
+    false,
+    func,
+    literal,
+    select,
+)
 
 from loraplex.adapter_store.models import Adapter, LatencyDaily, LatencyHourly, UsageHourly
+from loraplex.errors import RequestError
 
 from .fetch import fetch_all
 from .grouping import Groups, group_rows
 from .percentiles import group_percentiles
 from .report_csv import rows_from_csv, rows_to_csv
 from .report_range import ReportRange, hour_start, report_range
-from .report_types import ALL_LABEL, BASE_LABEL, UNKNOWN_LABEL, Granularity, LatencyRow, UsageRow
+from .report_types import (
+    ALL_LABEL,
+    BASE_LABEL,
+    UNKNOWN_LABEL,
+    Granularity,
+    LatencyPercentileRow,
+    LatencyRow,
+    UsageRow,
+)
 from .rollup import METRICS, PCTS
 from .source import RegistryOrEngine, engine_of
 
-__all__ = ["usage_report", "latency_report", "rows_to_csv", "rows_from_csv", "UsageRow", "LatencyRow"]
+__all__ = ["usage_report", "latency_report", "latency_percentiles", "rows_to_csv", "rows_from_csv", "UsageRow",
+           "LatencyRow", "LatencyPercentileRow"]
 
 _USAGE_SUMS = ("requests", "ok", "cancelled", "refused", "errors", "prompt_tokens", "completion_tokens")
 # LatencyHourly/LatencyDaily percentile columns, in LatencyRow order
@@ -103,15 +125,60 @@ def latency_report(registry_or_engine: RegistryOrEngine, tenant_id: str | None, 
                 _summed(groups, requests)[order].tolist(), percentiles, _nan_to_none(share[order]))]
 
 
+def latency_percentiles(registry_or_engine: RegistryOrEngine, tenant_id: str | None, start: datetime,
+                        end: datetime, granularity: Granularity = "day", by_adapter: bool = True,
+                        pcts: Sequence[int] = (50, 95, 99), per_bucket: bool = True,
+                        adapter_ids: Collection[str] | None = None) -> list[LatencyPercentileRow]:
+    """latency_report's rows with any percentiles (the rollups store only p50/p90/p99 beside their
+    histograms; the dashboard shows p95): always read from the merged histograms, so within the same 1%
+    bound. per_bucket=False merges the whole range into one row per (tenant, adapter): the figures of an
+    adapter over the range (read from the daily rollups with granularity "day"). adapter_ids: only these
+    adapter versions ("" for the base model), e.g. every version of one name merged (by_adapter=False)."""
+    pcts = tuple(int(p) for p in pcts)
+    if not pcts or any(not 1 <= p <= 100 for p in pcts):
+        raise RequestError(f"percentiles must be between 1 and 100, got {pcts}")
+    rng = report_range(start, end, granularity)
+    sums = _bucket_sums(rng, tenant_id, ("requests", "ttft_targeted", "ttft_within"), adapter_ids).subquery()
+    lat, when = (LatencyHourly, LatencyHourly.epoch_hour) if granularity == "hour" else \
+        (LatencyDaily, LatencyDaily.epoch_day)
+    same_key = and_(lat.tenant_id == sums.c.tenant_id, when == sums.c.bucket, lat.adapter_key == sums.c.adapter_key)
+    blobs = [func.coalesce(getattr(lat, f"{m}_hist"), literal(b"", LargeBinary)) for m in METRICS]
+    with engine_of(registry_or_engine).connect() as conn:
+        rows = fetch_all(conn, select(*sums.c, *blobs).select_from(sums.outerjoin(lat, same_key)))
+        if not rows:
+            return []
+        tenants, adapter_keys, buckets, requests, targeted, within, *data = zip(*rows)
+        if not per_bucket:  # one bucket for the whole range
+            buckets = (rng.start_hour // rng.bucket_hours,) * len(rows)
+        groups = group_rows(tenants, adapter_keys, buckets, by_adapter)
+        labels = _adapter_labels(conn, groups, by_adapter)
+    order = _report_order(groups, labels)
+    values = _nan_to_none(_merged_percentiles(groups, data, pcts)[order])
+    n = len(pcts)
+    n_targeted = _summed(groups, targeted)
+    share = np.divide(_summed(groups, within), n_targeted, out=np.full(len(groups), np.nan), where=n_targeted > 0)
+    starts = _BucketStarts(rng.bucket_hours)
+    return [LatencyPercentileRow(starts[bucket], tenant, *label, count, pcts, tuple(v[:n]), tuple(v[n:2 * n]),
+                                 tuple(v[2 * n:]), s)
+            for bucket, tenant, label, count, v, s in zip(
+                groups.bucket[order].tolist(), groups.tenant[order].tolist(), [labels[i] for i in order.tolist()],
+                _summed(groups, requests)[order].tolist(), values, _nan_to_none(share[order]))]
+
+
 # -- helpers ---------------------------------------------------------------------------------------------
 
-def _bucket_sums(rng: ReportRange, tenant_id: str | None, columns: tuple[str, ...]) -> Select:
+def _bucket_sums(rng: ReportRange, tenant_id: str | None, columns: tuple[str, ...],
+                 adapter_keys: Collection[str] | None = None) -> Select:
     """SELECT tenant_id, adapter_key, bucket, *columns: usage_hourly counters per (tenant, adapter, bucket),
     where bucket is the epoch hour (rows as stored) or the epoch day (SQL sums the day's hours)."""
     u = UsageHourly
     where = [u.epoch_hour >= rng.start_hour, u.epoch_hour < rng.end_hour]
     if tenant_id is not None:
         where.append(u.tenant_id == tenant_id)
+    if adapter_keys is not None:  # plain bound parameters: fetch_all cannot run expanding ones
+        keys = sorted(adapter_keys)
+        where.append(u.adapter_key.in_([bindparam(f"adapter_key_{i}", k) for i, k in enumerate(keys)])
+                     if keys else false())
     if rng.granularity == "hour":
         return select(u.tenant_id, u.adapter_key, u.epoch_hour.label("bucket"),
                       *[getattr(u, c) for c in columns]).where(*where)
@@ -122,12 +189,13 @@ def _bucket_sums(rng: ReportRange, tenant_id: str | None, columns: tuple[str, ..
             .where(*where).group_by(u.tenant_id, u.adapter_key, day))
 
 
-def _merged_percentiles(groups: Groups, blobs: list[tuple[bytes, ...]]) -> np.ndarray:
-    """[groups, 9]: per group, p50/p90/p99 of ttft, itl, e2e from its rows' merged histograms (NaN: none)."""
+def _merged_percentiles(groups: Groups, blobs: list[tuple[bytes, ...]], pcts: Sequence[int] = PCTS) -> np.ndarray:
+    """[groups, 3 * len(pcts)]: per group, the percentiles (default p50/p90/p99) of ttft, itl, e2e from its
+    rows' merged histograms (NaN: none)."""
     # Rows in group order (percentiles.py merges each group's records).
     by_group = np.argsort(groups.row_group, kind="stable")
     row_group, by_group_list = groups.row_group[by_group], by_group.tolist()
-    return np.hstack([group_percentiles([metric_blobs[i] for i in by_group_list], row_group, len(groups), PCTS)[1]
+    return np.hstack([group_percentiles([metric_blobs[i] for i in by_group_list], row_group, len(groups), pcts)[1]
                       for metric_blobs in blobs])
 
 

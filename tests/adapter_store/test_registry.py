@@ -138,6 +138,21 @@ def test_listing_is_paginated_in_name_version_order(registry):
         registry.list_adapters(t.id, cursor="not-a-cursor")
 
 
+def test_search_filters_names_case_insensitively_and_literally(registry):
+    t = registry.create_tenant(TenantCreate(name=tenant_name()))
+    names = ["Support-Bot", "support_v2", "supportxv2", "sales", *[f"bulk-{i:03d}" for i in range(25)]]
+    registry.add_adapters([adapter_create(t.id, n) for n in names])
+    found = lambda q, **kw: [a.name for a in registry.list_adapters(t.id, search=q, **kw).items]  # noqa: E731
+    assert found("SUPPORT") == ["Support-Bot", "support_v2", "supportxv2"]
+    assert found("t_v") == ["support_v2"]  # '_' is a character, not LIKE's wildcard
+    assert found("%") == []
+    assert registry.count_adapters(t.id, search="bulk-") == 25
+    page = registry.list_adapters(t.id, limit=10, search="bulk-")
+    rest = registry.list_adapters(t.id, limit=100, cursor=page.next_cursor, search="bulk-")
+    assert [a.name for a in page.items + rest.items] == [f"bulk-{i:03d}" for i in range(25)]
+    assert found("") == sorted(names)  # an empty search lists everything
+
+
 def test_bulk_add_numbers_repeated_names_consecutively(registry):
     t = registry.create_tenant(TenantCreate(name=tenant_name()))
     rows = registry.add_adapters([adapter_create(t.id, "x"), adapter_create(t.id, "y"), adapter_create(t.id, "x")])

@@ -22,6 +22,7 @@ from loraplex.metering import (
     UsageRecord,
     UsageRecorder,
     UsageRow,
+    latency_percentiles,
     latency_report,
     rows_from_csv,
     rows_to_csv,
@@ -135,6 +136,53 @@ def test_latency_percentiles_are_within_the_bound_of_the_exact_ones(registry, fl
         n, within = target[key]
         assert r.ttft_within_target_share == (within / n if n else None)
     assert checked > 100
+
+
+@pytest.mark.parametrize("granularity", ["hour", "day"])
+@pytest.mark.parametrize("by_adapter", [True, False])
+def test_any_percentiles_agree_with_the_report(registry, fleet, recorded, granularity, by_adapter):
+    """latency_percentiles (the dashboard's p50/p95/p99) reads the same histograms: its p50 and p99 equal
+    the report's, and p95 lies between them; the rows and counts are the report's."""
+    _, start, end = recorded
+    t0 = fleet.tenants[0]
+    report = latency_report(registry, t0.id, start, end, granularity, by_adapter)
+    rows = latency_percentiles(registry, t0.id, start, end, granularity, by_adapter, (50, 95, 99))
+    assert [(r.bucket_start, r.adapter_id, r.adapter, r.requests, r.ttft_within_target_share) for r in rows] == \
+        [(r.bucket_start, r.adapter_id, r.adapter, r.requests, r.ttft_within_target_share) for r in report]
+    for row, want in zip(rows, report):
+        for metric in ("ttft", "itl", "e2e"):
+            p50, p95, p99 = getattr(row, metric)
+            assert (p50, p99) == (getattr(want, f"{metric}_p50"), getattr(want, f"{metric}_p99"))
+            if p50 is not None:
+                assert p50 <= p95 <= p99
+
+
+def test_percentiles_over_the_whole_range(registry, fleet, recorded):
+    """per_bucket=False: one row per adapter; counts add up, p95 within the bound of the exact one."""
+    records, start, end = recorded
+    t0 = fleet.tenants[0]
+    per_day = latency_percentiles(registry, t0.id, start, end, "day", True)
+    whole = latency_percentiles(registry, t0.id, start, end, "day", True, (95,), per_bucket=False)
+    assert len({r.adapter_id for r in whole}) == len(whole)
+    assert {r.adapter_id: r.requests for r in whole} == {
+        a: sum(r.requests for r in per_day if r.adapter_id == a) for a in {r.adapter_id for r in per_day}}
+    hours = aligned_hours(start, end, "day")
+    ttft: dict[str | None, list[float]] = defaultdict(list)
+    for e in raw_events(registry, [t0.id]):
+        if group_key(e, hours, "day", True) is not None and e["ttft_ms"] is not None:
+            ttft[e["adapter_id"]].append(e["ttft_ms"])
+    for r in whole:
+        exact = exact_percentile(ttft[r.adapter_id], 95)
+        assert (r.ttft[0] is None) if exact is None else abs(r.ttft[0] - exact) <= BOUND * exact
+    with pytest.raises(RequestError, match="between 1 and 100"):
+        latency_percentiles(registry, t0.id, start, end, "day", True, (0,))
+    # Only some adapter versions: the same figures as their own rows; merged, their requests add up.
+    some = {r.adapter_id or "" for r in whole[:2]}
+    assert latency_percentiles(registry, t0.id, start, end, "day", True, (95,), False, some) == \
+        [r for r in whole if (r.adapter_id or "") in some]
+    merged = latency_percentiles(registry, t0.id, start, end, "day", False, (95,), False, some)
+    assert [r.requests for r in merged] == [sum(r.requests for r in whole if (r.adapter_id or "") in some)]
+    assert latency_percentiles(registry, t0.id, start, end, "day", True, adapter_ids=()) == []
 
 
 @pytest.mark.parametrize("granularity", ["hour", "day"])
