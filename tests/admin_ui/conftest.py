@@ -46,7 +46,7 @@ def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # Playwright's sync API holds an event loop in this thread: stop it after the module
 def browser():
     if not CHROMIUM.exists():
         _unavailable(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
