@@ -6,8 +6,12 @@ the same cases in the same run; the floor is
 
     our base step + adapter bytes read / measured read bandwidth + LoRA FLOPs / measured FLOP/s
 
+Every timed step of ours decodes exactly B requests (checked): the pool (--pool-gib) holds all B
+adapters and their KV, and no request finishes inside the timed steps.
+
 Writes JSON (--out) and prints a table. Usage:
-    python benchmarks/decode_step.py [--batches 1 16 64] [--steps 5] [--out benchmarks/results/decode_step.json]
+    python benchmarks/decode_step.py [--batches 1 16 64] [--steps 5] [--threads N] [--pool-gib 3]
+                                     [--out benchmarks/results/decode_step.json]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from roofline import measure_roofline
 
 CONTEXT = 128
 RANK = 16
+PREFILL_STEPS_ROOM = 32  # output tokens of headroom for the decodes that run during prefill
 
 
 def make_adapters(model_dir: Path, out: Path, n: int) -> list[Path]:
@@ -65,15 +70,23 @@ def adapter_cost(model_cfg, batch_adapters: int, tokens: int) -> tuple[int, int]
 
 
 def time_ours(engine: EngineCore, prompts, adapters, steps: int) -> float:
-    params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+    # Requests prefilled in the first chunks decode while later prompts prefill (B=64 takes several
+    # steps): max_tokens leaves room for those tokens, so no request finishes inside the timed steps.
+    params = SamplingParams(max_tokens=steps + PREFILL_STEPS_ROOM, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(p, params, a) for p, a in zip(prompts, adapters)]
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in reqs):
         engine.step()  # prefill
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        engine.step()
+        outs = engine.step()
         times.append(time.perf_counter() - t)
+        # Every timed step must be one decode token for each of the B requests, as transformers runs.
+        if len(outs) != len(reqs) or any(o.finished for o in outs):
+            raise RuntimeError(
+                f"a timed step decoded {len(outs)} of {len(reqs)} requests: the pool is too small "
+                f"for the batch and its adapters (raise --pool-gib)"
+            )
     for r in reqs:
         engine.abort_request(r.request_id)
     return min(times)
@@ -102,6 +115,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
+    ap.add_argument("--pool-gib", type=float, default=3.0,
+                    help="page pool size: B distinct rank-16 adapters (19.5 MB each) and their KV must all fit")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
     args = ap.parse_args()
     if args.threads:
@@ -109,7 +124,8 @@ def main() -> None:
     torch.manual_seed(0)
     roof = measure_roofline()
 
-    engine = EngineCore(EngineConfig(model="default", dtype="float32", kernels="torch", max_lora_rank=64))
+    engine = EngineCore(EngineConfig(model="default", dtype="float32", kernels="torch", max_lora_rank=64,
+                                     pool_bytes=int(args.pool_gib * (1 << 30))))
     cfg = engine.model_config
     nmax = max(args.batches)
     tmp = Path(tempfile.mkdtemp(prefix="lp-bench-"))

@@ -2,15 +2,19 @@
 
 K/V are read through block tables from the unified pool: kv_pool is the pool viewed as
 [num_pages, 2, block_size, num_kv_heads, head_dim]. Decode sequences (one new token) are attended
-together in one batched gather; prefill chunks one sequence at a time (causal inside the chunk,
-full over the tokens cached before it).
+together: one gather of all their K and V blocks per layer and one scaled_dot_product_attention
+call over the padded batch with a length mask. Prefill chunks go one sequence at a time (causal
+inside the chunk, full over the tokens cached before it). Index plans are built once per step
+(torch_attention_plan) and reused by every layer.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
+from .torch_attention_plan import decode_plan, write_rows
 
 
 def write_kv(
@@ -21,23 +25,12 @@ def write_kv(
     layer: int,
 ) -> None:
     """Store this step's new K/V of every token in its block's page for this layer."""
-    pages = meta.slot_pages[layer]
-    kv_pool[pages, 0, meta.slot_offsets] = k
-    kv_pool[pages, 1, meta.slot_offsets] = v
-
-
-def _attend(
-    q: torch.Tensor,  # [B, kv_heads, G*Q, head_dim]
-    k: torch.Tensor,  # [B, kv_heads, N, head_dim]
-    v: torch.Tensor,  # [B, kv_heads, N, head_dim]
-    mask: torch.Tensor,  # [B, 1, G*Q or 1, N] bool, True = may attend
-    scale: float,
-) -> torch.Tensor:  # [B, kv_heads, G*Q, head_dim]
-    # Softmax in float32 (as transformers does) so half-precision runs stay close to the reference.
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
+    t = k.shape[0]
+    rows = write_rows(meta, k.device)[layer]  # [2, T]
+    slots = kv_pool.view(-1, kv_pool.shape[3] * kv_pool.shape[4])  # token rows (see torch_attention_plan)
+    # index_copy_ on one flat row index: cheaper than advanced indexing with two index tensors.
+    slots.index_copy_(0, rows[0], k.reshape(t, -1))
+    slots.index_copy_(0, rows[1], v.reshape(t, -1))
 
 
 def paged_attention(
@@ -49,48 +42,45 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = kv_pool.shape[3]
-    group = num_heads // kv_heads
+    gqa = num_heads != kv_heads
     bs = meta.block_size
-    out = torch.empty_like(q)
+    blocks = kv_pool.view(-1, bs * kv_heads * head_dim)  # block rows (see torch_attention_plan)
+
+    plan = decode_plan(meta, q.device, q.dtype)
+    if plan is not None:
+        b, n = plan.num_seqs, plan.num_slots
+        # One index_select of whole blocks (a memcpy per block) gives K as [B, N, kvh, hd] and V
+        # likewise, contiguous per sequence: SDPA reads them through strides, no permute copy.
+        kv = blocks.index_select(0, plan.rows[layer])  # [2*B*nb, bs*kvh*hd]
+        if plan.stale is not None:
+            kv.view(2 * b * n, -1).index_fill_(0, plan.stale, 0)
+        kv = kv.view(2, b, n, kv_heads, head_dim).transpose(2, 3)  # [2, B, kvh, N, hd]
+        qd = q if plan.tok is None else q.index_select(0, plan.tok)  # [B, H, hd]
+        o = F.scaled_dot_product_attention(
+            qd.unsqueeze(2), kv[0], kv[1], attn_mask=plan.mask, scale=scale, enable_gqa=gqa
+        )  # [B, H, 1, hd]
+        if plan.tok is None:
+            return o.reshape(b, num_heads, head_dim)
+        out = torch.empty_like(q)
+        out[plan.tok] = o.view(b, num_heads, head_dim)
+    else:
+        out = torch.empty_like(q)
+
     tables = meta.block_tables[layer]  # [S, max_blocks]
     starts = meta.query_start_host
-
-    decode = meta.decode_seqs
-    if decode:
-        idx = list(decode)
-        lens = [meta.seq_lens_host[i] for i in idx]
-        nblocks = (max(lens) + bs - 1) // bs
-        pages = tables[idx, :nblocks].long()  # [B, nb]
-        b = len(idx)
-        # index_select on whole pages: a plain memcpy per page, several times faster on the CPU
-        # than advanced indexing with a 2-D index.
-        kv = kv_pool.index_select(0, pages.view(-1)).view(b, nblocks, *kv_pool.shape[1:])  # [B, nb, 2, bs, kvh, hd]
-        kv = kv.permute(0, 2, 4, 1, 3, 5).reshape(b, 2, kv_heads, nblocks * bs, head_dim)
-        tok = torch.tensor([starts[i] for i in idx], dtype=torch.long, device=q.device)
-        qd = q[tok].view(b, kv_heads, group, head_dim)
-        n = nblocks * bs
-        mask = torch.arange(n, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
-        # Slots past a sequence's length hold whatever the page's last owner left; zero their V so
-        # that a stale non-finite value cannot turn a zero attention weight into NaN.
-        v = kv[:, 1].masked_fill(~mask[:, None, :, None], 0)
-        o = _attend(qd, kv[:, 0], v, mask[:, None, None, :], scale)  # [B, kvh, G, hd]
-        out[tok] = o.reshape(b, num_heads, head_dim)
-
     for i in meta.prefill_seqs:
         qlen, slen = meta.query_lens_host[i], meta.seq_lens_host[i]
         ctx = slen - qlen
         nblocks = (slen + bs - 1) // bs
         pages = tables[i, :nblocks].long()
-        kv = kv_pool.index_select(0, pages)  # [nb, 2, bs, kvh, hd]
-        kv = kv.permute(1, 3, 0, 2, 4).reshape(2, kv_heads, nblocks * bs, head_dim)[:, :, :slen]
+        kv = blocks.index_select(0, torch.cat((pages * 2, pages * 2 + 1)))  # [2*nb, bs*kvh*hd]
+        kv = kv.view(2, nblocks * bs, kv_heads, head_dim)[:, :slen].transpose(1, 2)  # [2, kvh, slen, hd]
         s0 = starts[i]
-        # [qlen, H, hd] -> [kvh, G*qlen, hd], grouping the query heads that share a K/V head.
-        qp = q[s0 : s0 + qlen].view(qlen, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qp = qp.reshape(kv_heads, group * qlen, head_dim)
+        qp = q[s0 : s0 + qlen].transpose(0, 1)  # [H, qlen, hd]
         qpos = torch.arange(ctx, slen, device=q.device)
         causal = torch.arange(slen, device=q.device)[None, :] <= qpos[:, None]  # [qlen, slen]
-        mask = causal.repeat(group, 1)[None]  # [1, G*qlen, slen]
-        o = _attend(qp[None], kv[0][None], kv[1][None], mask[:, None], scale)[0]  # [kvh, G*qlen, hd]
-        o = o.view(kv_heads, group, qlen, head_dim).permute(2, 0, 1, 3).reshape(qlen, num_heads, head_dim)
-        out[s0 : s0 + qlen] = o
+        o = F.scaled_dot_product_attention(
+            qp[None], kv[0][None], kv[1][None], attn_mask=causal, scale=scale, enable_gqa=gqa
+        )  # [1, H, qlen, hd]
+        out[s0 : s0 + qlen] = o[0].transpose(0, 1)
     return out

@@ -45,11 +45,12 @@ class ModelRunner:
             out_logits[rid] = (first_pos, logits[row0 : row0 + n])
         sampled: dict[str, int] = {}
         if samplers:
-            rows = torch.tensor([r for _, r in samplers], dtype=torch.long, device=logits.device)
+            rows = [r for _, r in samplers]
             reqs = [c.request for c, _ in samplers]
-            tokens = self.sampler.sample(
-                logits.index_select(0, rows), [r.params for r in reqs], [r.generator for r in reqs]
-            ).tolist()
+            # In a plain decode step every logits row samples, in order: no need to copy them.
+            if rows != list(range(logits.shape[0])):
+                logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+            tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
             sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
         return RunnerOutput(sampled, out_logits)
 

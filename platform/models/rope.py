@@ -128,6 +128,16 @@ class RotaryEmbedding:
         """cos, sin [T, D] in dtype for positions [T] int64 (each < max_positions)."""
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
+    @staticmethod
+    def rotate(
+        x: torch.Tensor,  # [T, n, head_dim]
+        cos: torch.Tensor,  # [T, 1, head_dim] in x's dtype, from cos_sin
+        sin: torch.Tensor,  # [T, 1, head_dim]
+    ) -> torch.Tensor:  # [T, n, head_dim]
+        """x rotated with precomputed cos/sin: the model computes them once per step for all
+        layers and rotates q and k heads together (they sit side by side in the fused qkv output)."""
+        return x * cos + rotate_half(x) * sin
+
     def apply(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, SamplingParams
+from loraplex.models import llama
 from parity_setup import build_case, rel_err
 
 ARCHS = ["llama", "qwen2", "mistral"]
@@ -49,6 +50,16 @@ def test_mixed_batch_matches_peft(case):
     check_outputs(case, outs)
     llm.engine.pager.check_integrity()
     assert llm.engine.stats().kv_pages == 0
+
+
+def test_checkpoint_weight_layout_matches_peft(case, monkeypatch):
+    # On the CPU the model stores projections as [in, out]; the checkpoint layout [out, in] (what
+    # GPUs run) must give the same outputs.
+    monkeypatch.setattr(llama, "WEIGHTS_IN_OUT_ON_CPU", False)
+    llm = make_llm(case, max_num_batched_tokens=16)
+    assert not llm.engine.model.in_out
+    outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
+    check_outputs(case, outs)
 
 
 def test_chunked_prefill_matches_peft(case):
