@@ -118,3 +118,9 @@ def add_tiny_tokenizer(model_dir: Path) -> Path:
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(model_dir)
     return Path(model_dir)
+
+
+def make_chat_model(out_dir: Path) -> Path:
+    """The tiny Llama with a trained tokenizer and chat template that the server and dashboard tests use."""
+    d = make_tiny_model(out_dir, "llama", seed=7, vocab_size=TINY_TOKENIZER_VOCAB, max_position_embeddings=256)
+    return add_tiny_tokenizer(d)

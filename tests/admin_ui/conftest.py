@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "api"))  # api_server: the
 sys.path.insert(0, str(Path(__file__).parent))  # admin_browser
 
 from api_server import LiveServer, server_config, start_server  # noqa: E402
-from factories import TINY_TOKENIZER_VOCAB, add_tiny_tokenizer, make_peft_adapter, make_tiny_model  # noqa: E402
+from factories import make_chat_model, make_peft_adapter  # noqa: E402
 
 CHROMIUM = Path(os.environ.get("LORAPLEX_CHROMIUM", "/usr/bin/chromium"))
 
@@ -63,9 +63,7 @@ def browser():
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = make_tiny_model(tmp_path_factory.mktemp("admin-model"), "llama", seed=7, vocab_size=TINY_TOKENIZER_VOCAB,
-                        max_position_embeddings=256)
-    return add_tiny_tokenizer(d)
+    return make_chat_model(tmp_path_factory.mktemp("admin-model"))
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from api_server import LiveServer, server_config, start_server
-from factories import TINY_TOKENIZER_VOCAB, add_tiny_tokenizer, make_peft_adapter, make_tiny_model
+from factories import make_chat_model, make_peft_adapter
 
 
 @pytest.fixture(autouse=True)
@@ -29,9 +29,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = make_tiny_model(tmp_path_factory.mktemp("api-model"), "llama", seed=7, vocab_size=TINY_TOKENIZER_VOCAB,
-                        max_position_embeddings=256)
-    return add_tiny_tokenizer(d)
+    return make_chat_model(tmp_path_factory.mktemp("api-model"))
 
 
 @pytest.fixture(scope="session")
