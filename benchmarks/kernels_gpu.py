@@ -5,7 +5,7 @@
    decode batch of 1, 16, 64 and 256 tokens, ranks 8 / 16 / 64 / mixed 8-16-64, adapters distinct
    per token or zipf-popular: the base GEMMs of the layer (fused qkv, o, fused gate_up, down), our
    SGMV (7 apply_lora calls, adapters read in place from the page pool), a gather-then-bmm baseline
-   (the torch path: each token's adapter rows gathered, then bmm per rank) and a loop over adapters
+   (each token's adapter rows copied out of the pool, then one bmm per rank) and a loop over adapters
    (contiguous weights, two matmuls per adapter and module). Each is checked against the others.
 3. Paged decode attention at 2k context (32 heads over 8 KV heads, head_dim 128, blocks of 16): our
    kernel against the torch path, and the KV bytes it reads per second.
@@ -70,7 +70,6 @@ from loraplex.kernels import (
     LoraBatch,
     LoraSegment,
     torch_attention,
-    torch_sgmv,
 )
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
 from loraplex.unified_pager.adapter_pages import (
@@ -304,9 +303,47 @@ def runner_batch(adapters: list[AdapterResidency], token_adapter: list[int]) -> 
     return LoraBatch(tuple(segs), len(token_adapter))
 
 
-def per_token_batch(adapters: list[AdapterResidency], token_adapter: list[int]) -> LoraBatch:
-    """One segment per token: the torch path then gathers every token's rows and runs one bmm per rank."""
-    return LoraBatch(tuple(LoraSegment(t, 1, adapters[a]) for t, a in enumerate(token_adapter)), len(token_adapter))
+@dataclass(frozen=True)
+class GatherGroup:
+    """Tokens of one rank, with the physical pool rows of each token's A^T and B^T of one module."""
+
+    rank: int
+    module: int
+    tokens: torch.Tensor  # [n] int64
+    a_index: torch.Tensor  # [n * in * rank / D] int64
+    b_index: torch.Tensor  # [n * rank * out / D] int64
+    scales: torch.Tensor  # [n, 1, 1] float32
+
+
+def gather_groups(adapters: list[AdapterResidency], token_adapter: list[int], modules, device) -> list[GatherGroup]:
+    """The baseline's gather plan, made before timing (only the copies and products are timed)."""
+    groups = []
+    for m in modules:
+        by_rank: dict[int, list[int]] = {}
+        for t, a in enumerate(token_adapter):
+            slot = adapters[a].slots.get((0, m))
+            if slot is not None:
+                by_rank.setdefault(slot.rank, []).append(t)
+        for rank, toks in by_rank.items():
+            res = [adapters[token_adapter[t]] for t in toks]
+            groups.append(GatherGroup(
+                rank, m, torch.tensor(toks, device=device),
+                torch.cat([r.a_index(0, m) for r in res]), torch.cat([r.b_index(0, m) for r in res]),
+                torch.tensor([r.slots[(0, m)].scale for r in res], device=device).view(-1, 1, 1)))
+    return groups
+
+
+def gather_bmm_apply(targets, rows: torch.Tensor, groups: list[GatherGroup]) -> None:
+    """y[t] += scale * (x[t] @ A^T) @ B^T per token, each token's rows copied out of the pool
+    (rows: [R, D]) into a [n, in, r] / [n, r, out] batch first: what reading in place avoids."""
+    by_module = {m: (y, x) for m, y, x in targets}
+    for g in groups:
+        y, x = by_module[g.module]
+        n = g.tokens.numel()
+        at = rows.index_select(0, g.a_index).view(n, -1, g.rank)  # [n, in, r]
+        bt = rows.index_select(0, g.b_index).view(n, g.rank, -1)  # [n, r, out]
+        s = torch.bmm(x[g.tokens].unsqueeze(1), at) * g.scales.to(x.dtype)  # [n, 1, r]
+        y.index_add_(0, g.tokens, torch.bmm(s, bt).squeeze(1))
 
 
 # -- one layer's projections -------------------------------------------------------------------
@@ -384,7 +421,7 @@ def contiguous_weights(pool_rows: torch.Tensor, batch: LoraBatch, shapes: Shapes
         for (layer, m), slot in res.slots.items():
             if (id(res), m) in out:
                 continue
-            a = pool_rows.index_select(0, res.a_index(layer, m)).view(slot.rank, -1).contiguous()
+            a = pool_rows.index_select(0, res.a_index(layer, m)).view(-1, slot.rank).t().contiguous()  # A^T -> A
             b = pool_rows.index_select(0, res.b_index(layer, m)).view(slot.rank, -1).contiguous()
             out[(id(res), m)] = (a, b, slot.scale)
     return out
@@ -428,7 +465,6 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
     token_adapter = assign(popularity, batch, rng)
     res_list = b.adapters.by_set[set_name]
     ours_batch = runner_batch(res_list, token_adapter)
-    gather_batch = per_token_batch(res_list, token_adapter)
     acts = make_acts(b.shapes, batch, b.device)
     targets = lora_targets(b.shapes, acts)
     weights = contiguous_weights(b.rows, ours_batch, b.shapes)
@@ -437,9 +473,10 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
         for m, y, x in targets:
             b.ops.apply_lora(y, x, b.rows, ours_batch, 0, m, split=split)
 
+    groups = gather_groups(res_list, token_adapter, [m for m, _, _ in targets], b.device)
+
     def gather_bmm() -> None:
-        for m, y, x in targets:
-            torch_sgmv.apply_lora(y, x, b.rows, gather_batch, 0, m)
+        gather_bmm_apply(targets, b.rows, groups)
 
     def loop() -> None:
         loop_over_adapters(targets, ours_batch, weights)

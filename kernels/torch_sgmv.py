@@ -1,34 +1,46 @@
 """SGMV shrink/expand in plain torch: the CPU path and the reference for the Triton kernels.
 
 For each segment s of tokens sharing adapter a:  y[seg] += scale_a * (x[seg] @ A_a^T) @ B_a^T,
-with A_a's rows and B_a^T's rows read from the unified pool through the adapter's page table
+with A_a^T [in, r] and B_a^T [r, out] read from the unified pool through the adapter's page table
 (pool_rows is the pool viewed as [rows, D]; AdapterResidency.a_index/b_index give the physical
 rows of one (layer, module)).
 
-Why two shapes of loop: one-token segments (decode) of different adapters are batched per rank into one bmm, since a
+Why two shapes of loop: one-token segments (decode) of different adapters are batched per rank, since a
 Python loop over a batch of 64 distinct adapters would cost more than the arithmetic; segments of
 several tokens (prefill chunks, or many decode tokens sharing an adapter) are one matmul each.
-The gather of a (layer, module)'s rows is per step and cache-sized; the Triton path reads the
-rows in place instead.
+
+The batched one-token path reads the weights in place with embedding_bag: both products are sums of
+weight rows scaled by one number each, which is what embedding_bag computes (with per_sample_weights),
+gathering the rows through an index without copying them out. Measured on the dev CPU for 64 distinct
+rank-16 adapters (1 thread): 18.5 GB/s of adapter weights against 6.9 GB/s for a row gather + bmm,
+with a 25 GB/s streaming read as the ceiling.
+- shrink: s_t = sum_i x_t[i] * A^T[i, :], bags of `in` rows of A^T; rows of g = gcd(rank, D)
+  elements (the pool viewed as [-1, g]), so a bag is one g-column band of A^T and a token has r/g bags.
+- expand: y_t[c*D:(c+1)*D] = sum_k s_t[k] * B^T[k, c*D:(c+1)*D], bags of r pool rows, out/D per token.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .metadata import LoraBatch, LoraSegment
 
 
 @dataclass(frozen=True)
 class _SingleGroup:
-    """One-token segments of one rank: gathered and multiplied as one batch."""
+    """One-token segments of one rank, multiplied as one batch of embedding bags."""
 
     rank: int
+    band: int  # g = gcd(rank, D): width of the A^T column bands the shrink bags sum
     tokens: torch.Tensor  # [n] int64
-    a_index: torch.Tensor  # [n * rank * in / D] int64, physical pool rows
-    b_index: torch.Tensor  # [n * rank * out / D] int64
+    shrink_index: torch.Tensor  # [n * rank/g * in], rows of the pool viewed as [-1, g]
+    shrink_offsets: torch.Tensor  # [n * rank/g], bag starts (every bag has `in` rows)
+    expand_index: torch.Tensor  # [n * out/D * rank], rows of the pool viewed as [-1, D]
+    expand_offsets: torch.Tensor  # [n * out/D], bag starts (every bag has `rank` rows)
     scales: torch.Tensor  # [n, 1] in the activation dtype
 
 
@@ -38,13 +50,44 @@ class _Plan:
     multi: tuple[LoraSegment, ...]
 
 
-def _plan(lora: LoraBatch, layer: int, module: int, dtype: torch.dtype, device: torch.device) -> _Plan | None:
+def _index_dtype(pool_rows: torch.Tensor, band: int) -> torch.dtype:
+    # int32 halves the index bytes that every bag reads beside its weights (about 6% of the weight
+    # bytes at rank 16 instead of 12%) wherever the row numbers fit.
+    return torch.int32 if pool_rows.numel() // band < 2**31 else torch.int64
+
+
+def _bag_indices(adapter, layer: int, module: int, pool_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shrink index [r/g * in], expand index [out/D * r]) of one (layer, module), cached on the
+    adapter's residency: they only depend on its pages."""
+    cache = adapter.kernel_cache
+    key = ("bags", layer, module)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    slot = adapter.slots[(layer, module)]
+    d = pool_rows.shape[1]
+    r, n_in, n_out = slot.rank, slot.in_features, slot.out_features
+    g = math.gcd(r, d)
+    dtype = _index_dtype(pool_rows, g)
+    a_rows = adapter.a_index(layer, module)  # [r*in/D] physical rows of A^T [in, r]
+    # Element i*r + j*g of A^T starts band j of input i; ordered (j, i): bag j of a token sums over i.
+    e = (torch.arange(n_in, device=a_rows.device)[None, :] * r + torch.arange(0, r, g, device=a_rows.device)[:, None])
+    shrink = ((a_rows[e // d] * d + e % d) // g).reshape(-1).to(dtype)
+    # B^T [r, out] is r rows of out/D pool rows; ordered (c, k): bag c of a token sums over k.
+    b_rows = adapter.b_index(layer, module).view(r, n_out // d)
+    expand = b_rows.t().reshape(-1).to(_index_dtype(pool_rows, d))
+    cache[key] = (shrink, expand)
+    return shrink, expand
+
+
+def _plan(lora: LoraBatch, layer: int, module: int, pool_rows: torch.Tensor, dtype: torch.dtype) -> _Plan | None:
     """Group the segments carrying (layer, module); cached on the batch, since shrink and expand
     (and every call of a step) need the same grouping."""
     cache = lora.plan_cache
     key = (layer, module)
     if key in cache:
         return cache[key]
+    device = pool_rows.device
     by_rank: dict[int, list[LoraSegment]] = {}
     multi: list[LoraSegment] = []
     for seg in lora.segments:
@@ -57,15 +100,25 @@ def _plan(lora: LoraBatch, layer: int, module: int, dtype: torch.dtype, device: 
             multi.append(seg)
     singles = []
     for rank, segs in list(by_rank.items()):
-        if len(segs) == 1:  # nothing to batch: the direct path reads the matrix in place
+        if len(segs) == 1:  # nothing to batch: the direct path multiplies one matrix
             multi.extend(segs)
             continue
+        slot = segs[0].adapter.slots[key]
+        g = math.gcd(rank, pool_rows.shape[1])
+        bags = [_bag_indices(s.adapter, layer, module, pool_rows) for s in segs]
+        shrink_index = torch.cat([b[0] for b in bags])
+        expand_index = torch.cat([b[1] for b in bags])
+        n_shrink_bags = len(segs) * rank // g
+        n_expand_bags = len(segs) * slot.out_features // pool_rows.shape[1]
         singles.append(
             _SingleGroup(
                 rank=rank,
+                band=g,
                 tokens=torch.tensor([s.start for s in segs], dtype=torch.long, device=device),
-                a_index=torch.cat([s.adapter.a_index(layer, module) for s in segs]),
-                b_index=torch.cat([s.adapter.b_index(layer, module) for s in segs]),
+                shrink_index=shrink_index,
+                shrink_offsets=torch.arange(n_shrink_bags, dtype=shrink_index.dtype, device=device) * slot.in_features,
+                expand_index=expand_index,
+                expand_offsets=torch.arange(n_expand_bags, dtype=expand_index.dtype, device=device) * rank,
                 scales=torch.tensor([[s.adapter.slots[key].scale] for s in segs], dtype=dtype, device=device),
             )
         )
@@ -74,8 +127,31 @@ def _plan(lora: LoraBatch, layer: int, module: int, dtype: torch.dtype, device: 
     return plan
 
 
-def _gather(pool_rows: torch.Tensor, index: torch.Tensor, n: int, rank: int) -> torch.Tensor:
-    return pool_rows.index_select(0, index).view(n, rank, -1)  # [n, r, features]
+def _shrink_group(
+    g: _SingleGroup,
+    x: torch.Tensor,  # [T, in]
+    pool_rows: torch.Tensor,  # [R, D]
+) -> torch.Tensor:  # [n, rank], scale applied
+    n = g.tokens.numel()
+    xs = x.index_select(0, g.tokens)  # [n, in]
+    bands = g.rank // g.band
+    # Each of a token's r/g bags weighs its rows by the same activations.
+    w = xs if bands == 1 else xs.unsqueeze(1).expand(n, bands, xs.shape[1])
+    s = F.embedding_bag(g.shrink_index, pool_rows.view(-1, g.band), g.shrink_offsets, mode="sum",
+                        per_sample_weights=w.reshape(-1))  # [n * r/g, g]
+    return s.view(n, g.rank) * g.scales
+
+
+def _expand_group(
+    g: _SingleGroup,
+    s: torch.Tensor,  # [n, rank]
+    pool_rows: torch.Tensor,  # [R, D]
+) -> torch.Tensor:  # [n, out]
+    n = s.shape[0]
+    per_token = g.expand_offsets.numel() // n  # out / D bags per token, each weighing its rows by s_t
+    w = s.unsqueeze(1).expand(n, per_token, g.rank).reshape(-1)
+    out = F.embedding_bag(g.expand_index, pool_rows, g.expand_offsets, mode="sum", per_sample_weights=w)
+    return out.view(n, -1)  # [n * out/D, D] -> [n, out]
 
 
 def lora_shrink(
@@ -86,16 +162,15 @@ def lora_shrink(
     module: int,
 ) -> torch.Tensor:  # [T, max_rank]; scale applied; columns beyond a segment's rank stay 0
     out = torch.zeros(x.shape[0], max(lora.max_rank, 1), dtype=x.dtype, device=x.device)
-    plan = _plan(lora, layer, module, x.dtype, x.device)
+    plan = _plan(lora, layer, module, pool_rows, x.dtype)
     if plan is None:
         return out
     for g in plan.singles:
-        a = _gather(pool_rows, g.a_index, g.tokens.numel(), g.rank)  # [n, r, in]
-        out[g.tokens, : g.rank] = torch.bmm(a, x[g.tokens].unsqueeze(-1)).squeeze(-1) * g.scales
+        out[g.tokens, : g.rank] = _shrink_group(g, x, pool_rows)
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
-        a = _matrix(pool_rows, seg.adapter, layer, module, slot.rank, "a")  # [r, in]
-        out[seg.start : seg.start + seg.length, : slot.rank] = (x[seg.start : seg.start + seg.length] @ a.t()) * slot.scale
+        at = _a_t(pool_rows, seg.adapter, layer, module)  # [in, r]
+        out[seg.start : seg.start + seg.length, : slot.rank] = (x[seg.start : seg.start + seg.length] @ at) * slot.scale
     return out
 
 
@@ -107,16 +182,15 @@ def lora_expand(
     layer: int,
     module: int,
 ) -> None:
-    plan = _plan(lora, layer, module, s.dtype, s.device)
+    plan = _plan(lora, layer, module, pool_rows, s.dtype)
     if plan is None:
         return
     for g in plan.singles:
-        b = _gather(pool_rows, g.b_index, g.tokens.numel(), g.rank)  # [n, r, out]
-        y.index_add_(0, g.tokens, torch.bmm(s[g.tokens, : g.rank].unsqueeze(1), b).squeeze(1))
+        y.index_add_(0, g.tokens, _expand_group(g, s[g.tokens, : g.rank], pool_rows))
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
-        b = _matrix(pool_rows, seg.adapter, layer, module, slot.rank, "b")  # [r, out]
-        y[seg.start : seg.start + seg.length] += s[seg.start : seg.start + seg.length, : slot.rank] @ b
+        bt = _b_t(pool_rows, seg.adapter, layer, module, slot.rank)  # [r, out]
+        y[seg.start : seg.start + seg.length] += s[seg.start : seg.start + seg.length, : slot.rank] @ bt
 
 
 def apply_lora(
@@ -131,24 +205,26 @@ def apply_lora(
 
     Same arithmetic as lora_shrink then lora_expand, without the [T, max_rank] buffer between them.
     """
-    plan = _plan(lora, layer, module, x.dtype, x.device)
+    plan = _plan(lora, layer, module, pool_rows, x.dtype)
     if plan is None:
         return
     for g in plan.singles:
-        n = g.tokens.numel()
-        a = _gather(pool_rows, g.a_index, n, g.rank)  # [n, r, in]
-        s = torch.bmm(a, x[g.tokens].unsqueeze(-1)) * g.scales.unsqueeze(-1)  # [n, r, 1]
-        b = _gather(pool_rows, g.b_index, n, g.rank)  # [n, r, out]
-        y.index_add_(0, g.tokens, torch.bmm(s.transpose(1, 2), b).squeeze(1))
+        y.index_add_(0, g.tokens, _expand_group(g, _shrink_group(g, x, pool_rows), pool_rows))
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
-        a = _matrix(pool_rows, seg.adapter, layer, module, slot.rank, "a")  # [r, in]
-        b = _matrix(pool_rows, seg.adapter, layer, module, slot.rank, "b")  # [r, out]
+        at = _a_t(pool_rows, seg.adapter, layer, module)  # [in, r]
+        bt = _b_t(pool_rows, seg.adapter, layer, module, slot.rank)  # [r, out]
         rows = slice(seg.start, seg.start + seg.length)
-        y[rows] += ((x[rows] @ a.t()) * slot.scale) @ b
+        y[rows] += ((x[rows] @ at) * slot.scale) @ bt
 
 
-def _matrix(pool_rows: torch.Tensor, adapter, layer: int, module: int, rank: int, which: str) -> torch.Tensor:
-    """One adapter's A [r, in] or B^T [r, out], gathered through its page table."""
-    index = adapter.a_index(layer, module) if which == "a" else adapter.b_index(layer, module)
-    return pool_rows.index_select(0, index).view(rank, -1)
+def _a_t(pool_rows: torch.Tensor, adapter, layer: int, module: int) -> torch.Tensor:
+    """One adapter's A^T [in, r], gathered through its page table (a segment of several tokens
+    multiplies it by all of them, so the copy is small beside the product)."""
+    slot = adapter.slots[(layer, module)]
+    return pool_rows.index_select(0, adapter.a_index(layer, module)).view(slot.in_features, slot.rank)
+
+
+def _b_t(pool_rows: torch.Tensor, adapter, layer: int, module: int, rank: int) -> torch.Tensor:
+    """One adapter's B^T [r, out], gathered through its page table."""
+    return pool_rows.index_select(0, adapter.b_index(layer, module)).view(rank, -1)

@@ -1,14 +1,17 @@
 """SGMV shrink and expand as Triton kernels that read adapter rows in place from the page pool.
 
-Addressing (docs/PAGE_POOL.md): A of one (layer, module) is [rank, K] row-major from logical row
-a_row, so A[r, k] is at logical row a_row + r*(K/D) + k//D, column k%D; B^T is [rank, N] from
-b_row the same way. Logical row L is physical row pages[L // rows_per_page] * rows_per_page +
-L % rows_per_page of the pool viewed as [rows, D].
+Addressing (docs/PAGE_POOL.md): A of one (layer, module) is stored transposed, A^T [K, rank]
+row-major from logical row a_row, so A[r, k] is element k*rank + r counted from row a_row (logical
+row a_row + (k*rank + r) // D, column (k*rank + r) % D); B^T is [rank, N] row-major from b_row, so
+B^T[r, n] is at logical row b_row + r*(N/D) + n//D, column n%D. Logical row L is physical row
+pages[L // rows_per_page] * rows_per_page + L % rows_per_page of the pool viewed as [rows, D].
+(A is transposed for the torch CPU path, which reads rows of A^T in place with embedding_bag.)
 
-Every K (or N) chunk a program loads is BLOCK_K (BLOCK_N) elements with BLOCK_K a power of two
-dividing D, so one chunk of one rank row never leaves its pool row: the page lookup and the
-division by rows_per_page happen once per rank row per chunk (an [R_CHUNK] vector), and the
-R_CHUNK x BLOCK_K elements are contiguous runs that load as vectors.
+Every N chunk an expand program loads is BLOCK_N elements with BLOCK_N a power of two dividing D,
+so one chunk of one rank row never leaves its pool row: the page lookup happens once per rank row
+per chunk (an [R_CHUNK] vector) and the elements load as contiguous runs. A shrink chunk
+[R_CHUNK, BLOCK_K] of A^T covers BLOCK_K runs of `rank` consecutive elements, which may cross pool
+rows and pages at any element (ranks need not divide D): it looks up the page of every element.
 
 Ranks are mixed in one launch: rank is read per segment from the layout table and rows past it
 are masked, so a rank-8 adapter next to a rank-64 one issues rank-8 loads (shrink programs whose
@@ -73,7 +76,6 @@ def sgmv_shrink_kernel(
     r = rc * R_CHUNK + tl.arange(0, R_CHUNK)
     rmask = r < rank
     k = tl.arange(0, BLOCK_K)
-    kr = K // D  # pool rows per row of A
     n_chunks = K // BLOCK_K
     c_lo = split * chunks_per_split
     c_hi = tl.minimum(c_lo + chunks_per_split, n_chunks)
@@ -85,10 +87,11 @@ def sgmv_shrink_kernel(
         acc = tl.zeros([R_CHUNK], dtype=tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * BLOCK_K
-            lrow = a_row + r * kr + k0 // D
-            page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
+            e = (k0 + k)[None, :] * rank + r[:, None]  # [R_CHUNK, BLOCK_K] offsets of A^T[k, r]
+            lrow = a_row + e // D
+            page = tl.load(page_row + lrow // rows_per_page, mask=rmask[:, None], other=0)
             prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
-            a = tl.load(pool_ptr + prow[:, None] * D + (k0 % D) + k[None, :], mask=rmask[:, None], other=0.0)
+            a = tl.load(pool_ptr + prow * D + e % D, mask=rmask[:, None], other=0.0)
             xv = tl.load(x_ptr + t0 * stride_xt + k0 + k)  # [BLOCK_K]
             acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
         tl.store(out_ptr + split * stride_os + t0 * stride_ot + r, acc * scale)
@@ -99,10 +102,11 @@ def sgmv_shrink_kernel(
         acc2 = tl.zeros([BLOCK_M, R_CHUNK], dtype=tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * BLOCK_K
-            lrow = a_row + r * kr + k0 // D
-            page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
+            e = (k0 + k)[None, :] * rank + r[:, None]  # [R_CHUNK, BLOCK_K] offsets of A^T[k, r]
+            lrow = a_row + e // D
+            page = tl.load(page_row + lrow // rows_per_page, mask=rmask[:, None], other=0)
             prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
-            a = tl.load(pool_ptr + prow[:, None] * D + (k0 % D) + k[None, :], mask=rmask[:, None], other=0.0)
+            a = tl.load(pool_ptr + prow * D + e % D, mask=rmask[:, None], other=0.0)
             xt = tl.load(x_ptr + tok[:, None] * stride_xt + k0 + k[None, :], mask=mmask[:, None], other=0.0)
             if USE_DOT:
                 acc2 = tl.dot(xt, tl.trans(a.to(xt.dtype)), acc2, input_precision=DOT_PREC)

@@ -1,7 +1,7 @@
 """Adapter weights as rows in pool pages: the placement plan, the write, and the residency record.
 
 An adapter's matrices are packed back to back in logical rows of D elements (adapter_rows.py: for
-each (layer, module) present, in (layer, TARGET_MODULES) order, A [rank, in] then B^T [rank, out]).
+each (layer, module) present, in (layer, TARGET_MODULES) order, A^T [in, rank] then B^T [rank, out]).
 Logical row L lives at physical row ``pages[L // rows_per_page] * rows_per_page + L % rows_per_page``
 of ``pool.rows()``. So an adapter of rank r takes pages in proportion to r, wasting less than one
 page in all.
@@ -91,6 +91,9 @@ class AdapterResidency:
     # (and placement does not make 2 x 210 views that the device kernels never read).
     _a_index: dict[tuple[int, int], torch.Tensor] = field(repr=False, default_factory=dict)
     _b_index: dict[tuple[int, int], torch.Tensor] = field(repr=False, default_factory=dict)
+    # Index tensors a kernel derives from the page table (the torch path's embedding-bag rows), made on
+    # first use by that kernel and kept for as long as the adapter stays on these pages.
+    kernel_cache: dict = field(repr=False, default_factory=dict)
 
     @property
     def num_pages(self) -> int:
@@ -103,7 +106,7 @@ class AdapterResidency:
         return self.row_index[logical_start : logical_start + count]
 
     def a_index(self, layer: int, module: int) -> torch.Tensor:
-        """[rank*in/D] int64 physical rows of A [rank, in] of (layer, module)."""
+        """[rank*in/D] int64 physical rows of A^T [in, rank] of (layer, module)."""
         index = self._a_index.get((layer, module))
         if index is None:
             s = self.slots[(layer, module)]

@@ -1,7 +1,10 @@
 """An adapter as logical rows of D elements, on the host: which rows each matrix gets, and the copy.
 
-For each (layer, module) present, in (layer, TARGET_MODULES) order: first A ([rank, in],
-row-major: rank*in/D rows), then B transposed ([rank, out]: rank*out/D rows), back to back.
+For each (layer, module) present, in (layer, TARGET_MODULES) order: first A transposed
+([in, rank], row-major: rank*in/D rows), then B transposed ([rank, out]: rank*out/D rows), back
+to back. Both are stored as the right-hand operand of x @ A^T @ B^T, so that a kernel that reads
+them in place sums whole weight rows scaled by an activation (torch's CPU path does exactly that
+with embedding_bag, see kernels/torch_sgmv.py).
 This depends only on the pool's RowLayout (D and dtype; layers and shapes are checked), never on
 the page size: adapter_pages.py cuts the rows into pages, packed_rows.py packs them ahead of time.
 """
@@ -29,7 +32,7 @@ class ModuleSlot:
     module: int  # index into TARGET_MODULES
     rank: int
     scale: float
-    a_row: int  # first logical row of A [rank, in]
+    a_row: int  # first logical row of A^T [in, rank]
     b_row: int  # first logical row of B^T [rank, out]
     in_features: int
     out_features: int
@@ -71,31 +74,32 @@ def assign_rows(layout: RowLayout, name: str, modules: Sequence[LoraModuleWeight
 
 
 def write_rows(modules: Sequence[LoraModuleWeights], row_width: int, out: torch.Tensor) -> None:
-    """Write A [rank, in] then B^T [rank, out] of each module (in packing order) into out
+    """Write A^T [in, rank] then B^T [rank, out] of each module (in packing order) into out
     ([>= num_rows, D]) back to back, casting to out's dtype."""
     row = 0
     for m in modules:
         n = m.a.numel() // row_width
-        _copy(out[row : row + n].view(m.a.shape), m.a, transpose=False)
+        _copy(out[row : row + n].view(m.a.shape[1], m.a.shape[0]), m.a, transpose=True)
         row += n
         n = m.b.numel() // row_width
         _copy(out[row : row + n].view(m.b.shape[1], m.b.shape[0]), m.b, transpose=True)
         row += n
 
 
-# numpy copies with less overhead per call than torch (A: about 1.7x faster over 210 modules), and
-# its transposing copy is about 2x torch's for the tall, narrow B [out, rank] of ranks under 32 but
-# slower above (measured on the dev CPU, float32, 1 thread). Only without a cast: numpy has no
-# bfloat16 and its casts may warn where torch's do not (adapters arrive in the pool dtype anyway).
+# numpy's transposing copy against torch's (dev CPU, float32, 1 thread): about 2x faster for
+# A [rank, in] -> [in, rank] at every rank from 8 to 128 and for the tall, narrow B [out, rank] of
+# ranks under 32, slower for B above. Only without a cast: numpy has no bfloat16 and its casts may
+# warn where torch's do not (adapters arrive in the pool dtype anyway).
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
-_NUMPY_MAX_RANK_TRANSPOSED = 31
+_NUMPY_MAX_RANK_TALL = 31
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, transpose: bool) -> None:
-    """dst <- src (A [rank, in]), or dst [rank, out] <- src [out, rank] transposed (B); cast to
-    dst's dtype; both on the host."""
+    """dst <- src, transposed when asked (A [rank, in] -> [in, rank], B [out, rank] -> [rank, out]);
+    cast to dst's dtype; both on the host."""
+    tall_and_wide = src.shape[0] > src.shape[1] > _NUMPY_MAX_RANK_TALL
     if (src.dtype == dst.dtype and dst.dtype in _NUMPY_FLOATS and src.device.type == dst.device.type == "cpu"
-            and not (transpose and src.shape[1] > _NUMPY_MAX_RANK_TRANSPOSED)):
+            and not (transpose and tall_and_wide)):
         s = src.detach().numpy()
         np.copyto(dst.numpy(), s.T if transpose else s)
     else:

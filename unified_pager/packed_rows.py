@@ -60,7 +60,7 @@ def pack_adapter(adapter: LoraAdapter, layout: RowLayout, pin_memory: bool = Fal
     views: dict[tuple[int, int], LoraModuleWeights] = {}
     for m in adapter.modules:
         s = asg.slots[(m.layer, MODULE_INDEX[m.module])]
-        a = rows[s.a_row : s.b_row].view(s.rank, s.in_features)  # A [rank, in]
+        a = rows[s.a_row : s.b_row].view(s.in_features, s.rank).t()  # A [rank, in], a view of A^T
         bt = rows[s.b_row : s.b_row + s.rank * s.out_features // d].view(s.rank, s.out_features)  # B^T [rank, out]
         # b [out, rank] as PEFT's lora_B, a transposed view. The constructor, not dataclasses.replace:
         # a third of the cost for 210 modules.

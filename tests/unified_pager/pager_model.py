@@ -22,7 +22,7 @@ def packed_rows(adapter: LoraAdapter, d: int, dtype: torch.dtype) -> torch.Tenso
     """[rows, D]: the documented packing, rebuilt independently of the pager."""
     parts = []
     for m in sorted(adapter.modules, key=lambda m: (m.layer, MODULE_INDEX[m.module])):
-        parts += [m.a.to(dtype).reshape(-1, d), m.b.t().to(dtype).reshape(-1, d)]
+        parts += [m.a.t().to(dtype).reshape(-1, d), m.b.t().to(dtype).reshape(-1, d)]
     return torch.cat(parts)
 
 

@@ -63,9 +63,9 @@ def test_weights_read_back_exactly_for_mixed_ranks(cfg, dtype):
             assert res.a_index(*key).tolist() == res.physical_rows(s.a_row, na).tolist() == want_a
             assert res.b_index(*key).tolist() == res.physical_rows(s.b_row, nb).tolist() == want_b
             crossings += len({r // g.rows_per_page for r in want_a + want_b}) > 1
-            a = rows[res.a_index(*key)].reshape(m.rank, in_f)
+            at = rows[res.a_index(*key)].reshape(in_f, m.rank)  # A^T [in, r]
             bt = rows[res.b_index(*key)].reshape(m.rank, out_f)
-            assert torch.equal(a, m.a.to(dtype))
+            assert torch.equal(at, m.a.t().to(dtype))
             assert torch.equal(bt, m.b.t().to(dtype))
         residencies.append((res, adapter))
     assert crossings > 0  # some matrices straddle pages (and the pages are not contiguous)
@@ -75,7 +75,7 @@ def test_weights_read_back_exactly_for_mixed_ranks(cfg, dtype):
     for res, adapter in residencies:
         for m in adapter.modules:
             key = (m.layer, MODULE_INDEX[m.module])
-            assert torch.equal(rows[res.a_index(*key)].reshape(m.rank, -1), m.a.to(dtype))
+            assert torch.equal(rows[res.a_index(*key)].reshape(-1, m.rank), m.a.t().to(dtype))
 
 
 def test_packing_order_layout_and_scales():
@@ -130,9 +130,9 @@ def test_lora_delta_from_pool_rows_matches_host_weights():
         key = (m.layer, MODULE_INDEX[m.module])
         s = res.slots[key]
         x = x_by_in.setdefault(s.in_features, torch.randn(5, s.in_features))
-        a = rows.index_select(0, res.a_index(*key)).view(s.rank, -1)  # [r, in]
+        at = rows.index_select(0, res.a_index(*key)).view(-1, s.rank)  # [in, r]
         bt = rows.index_select(0, res.b_index(*key)).view(s.rank, -1)  # [r, out]
-        got = s.scale * (x @ a.t()) @ bt
+        got = s.scale * (x @ at) @ bt
         want = m.scale * (x @ m.a.t()) @ m.b.t()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # same math, other summation order
 

@@ -29,9 +29,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_rows(adapter: LoraAdapter, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_rows, D]: A then B^T of each module in (layer, TARGET_MODULES) order."""
+    """[num_rows, D]: A^T then B^T of each module in (layer, TARGET_MODULES) order."""
     ordered = sorted(adapter.modules, key=lambda m: (m.layer, MODULE_INDEX[m.module]))
-    parts = [t.to(dtype).reshape(-1, d) for m in ordered for t in (m.a, m.b.t().contiguous())]
+    parts = [t.to(dtype).reshape(-1, d) for m in ordered for t in (m.a.t().contiguous(), m.b.t().contiguous())]
     return torch.cat(parts)
 
 
