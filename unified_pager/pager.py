@@ -39,6 +39,7 @@ class PoolStats:
     resident_adapters: int
     pinned_adapters: int
     adapter_evictions: int
+    adapter_loads: int = 0  # adapters placed in the pool since start (a reload after eviction counts again)
 
 
 class UnifiedPager:
@@ -194,6 +195,7 @@ class UnifiedPager:
             resident_adapters=len(self._adapters),
             pinned_adapters=self._adapters.num_pinned,
             adapter_evictions=self._adapters.evictions,
+            adapter_loads=self._adapters.next_owner(),  # every placement takes the next owner id
         )
 
     def check_integrity(self) -> None:

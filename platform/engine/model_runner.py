@@ -34,6 +34,20 @@ class ModelRunner:
         self.device = model.device
         self.kv_pool = pager.pool.kv_view()
         self.pool_rows = pager.pool.rows()
+        # The previous step's adapter segments: while the same requests decode, every step has the same
+        # segments, and reusing the batch keeps the kernels' per-(layer, module) plans (index tensors
+        # gathered from 7 x layers x adapters page tables) instead of rebuilding them every step.
+        self._last_lora: LoraBatch | None = None
+
+    def _lora_batch(self, segments: tuple[LoraSegment, ...], num_tokens: int) -> LoraBatch | None:
+        """This step's LoraBatch: the previous step's when the segments are the same ones (same tokens,
+        same residencies: a residency never changes its pages, a reload is a new object)."""
+        if not segments:
+            return None
+        prev = self._last_lora
+        if prev is None or prev.num_tokens != num_tokens or prev.segments != segments:
+            prev = self._last_lora = LoraBatch(segments, num_tokens)
+        return prev
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         chunks = sorted(sched.chunks, key=lambda c: (c.adapter is not None, str(c.adapter)))
@@ -115,7 +129,7 @@ class ModelRunner:
             query_lens_host=tuple(query_lens),
             seq_lens_host=tuple(seq_lens),
         )
-        lora = LoraBatch(tuple(segments), len(input_ids)) if segments else None
+        lora = self._lora_batch(tuple(segments), len(input_ids))
         step = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             attn=attn,

@@ -39,6 +39,7 @@ class CheckedPager:
         self.lru: list = []  # idle adapters, least recently used first
         self.free = g.num_pages
         self.evictions = 0
+        self.loads = 0
         self._next_marker = 1.0
 
     # -- the model's eviction rule -----------------------------------------------------------
@@ -108,6 +109,7 @@ class CheckedPager:
         if expect:
             assert res.num_rows == rows and res.num_pages == need  # waste under one page
             self.free -= need
+            self.loads += 1
             self.npages[key] = need
             self.pins[key] = 1 if pin else 0
             if not pin:
@@ -162,6 +164,7 @@ class CheckedPager:
             resident_adapters=len(self.pins),
             pinned_adapters=sum(1 for n in self.pins.values() if n),
             adapter_evictions=self.evictions,
+            adapter_loads=self.loads,
         )
         assert self.p._adapters.idle_keys() == self.lru  # same LRU order, so same future victims
         for seq, t in self.tokens.items():
