@@ -1,0 +1,241 @@
+"""The one entry point of the end-to-end benchmark (issue 7).
+
+    .venv/bin/python benchmarks/e2e/run.py --quick          # < 10 minutes on the 2-core CPU machine
+    .venv/bin/python benchmarks/e2e/run.py --full           # larger trace, 1000 adapters touched more
+    .venv/bin/python benchmarks/e2e/run.py --tiny           # a smoke run in about a minute
+    .venv/bin/python benchmarks/e2e/run.py --quick --gpu    # CUDA, bf16, random Qwen2.5-1.5B-shaped model
+
+One run: the roofline, then offline and online runs of (a) loraplex with the trace's adapters, (b)
+transformers + PEFT (static batches, mixed adapter_names), (c) transformers base model (the better of
+static batches and its continuous batching), (d) loraplex without adapters, on the same requests; greedy
+outputs compared before times; decode at batch 64 against the compute ceiling; the adapter-scaling sweep.
+Writes JSON (--out) and a PNG of the scaling curve beside it, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parents[1]
+if str(_BENCH) not in sys.path:  # traces, roofline and decode_step live one folder up
+    sys.path.insert(0, str(_BENCH))
+
+import torch  # noqa: E402
+
+import traces as T  # noqa: E402
+from e2e.ceiling import decode_share, measure_ceilings  # noqa: E402
+from e2e.offline import ModeResult, Systems, run_offline  # noqa: E402
+from e2e.online import run_online  # noqa: E402
+from e2e.plot import plot_scaling  # noqa: E402
+from e2e.scaling import ScalingPoint, run_scaling  # noqa: E402
+from e2e.systems import HFContinuousBatching, HFStaticBatches, LoraplexSystem  # noqa: E402
+from e2e.workload import ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
+from loraplex.config import EngineConfig  # noqa: E402
+from loraplex.engine import EngineCore  # noqa: E402
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Everything a run's size depends on."""
+
+    requests: int  # of the main trace (offline and online use the same requests)
+    prompt_median: float
+    prompt_max: int
+    output_median: float
+    output_max: int
+    num_adapters: int  # popularity law of the main trace (only adapters some request names are built)
+    peft_batch: int  # static batch size of the transformers systems
+    online_load: float  # online arrival rate as a share of loraplex's offline request rate
+    ttft_target_s: float
+    scaling_counts: tuple[int, ...]
+    scaling_requests: int
+    host_cache_mib: float  # of the scaling runs: small enough that the adapters outgrow it
+    pool_mib: float  # of the main loraplex engine (holds a decode batch of 64 with its adapters)
+    scaling_pool_mib: float  # of the scaling engines: small enough that the adapters outgrow it
+    decode_batch: int
+    decode_steps: int
+    continuous_batching: bool  # run transformers' continuous batching as a (c) candidate
+    sample: int = 16  # requests whose outputs are compared
+    prefix_tokens: int = 16
+
+
+PRESETS = {
+    "tiny": Preset(8, 16, 48, 6, 12, 4, 4, 0.5, 2.0, (1, 4, 16), 8, 64, 512, 256, 8, 2, True, 8, 6),
+    "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.5, 2.0, (1, 10, 100, 1000), 64, 160, 2048, 1024, 64, 3, True),
+    "full": Preset(192, 128, 1024, 64, 256, 100, 32, 0.5, 2.0, (1, 10, 100, 1000), 512, 320, 3072, 1024, 64, 6,
+                   True, 32, 32),
+}
+
+
+def trace_spec(p: Preset, seed: int, num_adapters: int, requests: int) -> T.TraceSpec:
+    """A chat-like trace (bursty gamma arrivals, rate 1/s) long enough for `requests` requests."""
+    return T.TraceSpec(rate=1.0, duration_s=3.0 * requests + 30, arrivals="gamma", cv=2.0, lengths="chat",
+                       prompt_median=p.prompt_median, prompt_max=p.prompt_max, output_median=p.output_median,
+                       output_max=p.output_max, num_adapters=num_adapters, alpha=1.0, ranks=(8, 16),
+                       tenants=(T.TenantSpec("all", 1.0, p.ttft_target_s * 1e3),), seed=seed)
+
+
+def load_hf(path: Path, dtype: torch.dtype, device: torch.device, adapters: dict[str, Path]):
+    """(base model, PEFT model holding every adapter), both eval, on device."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    names = list(adapters)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device),
+                                     adapters[names[0]], adapter_name=names[0])
+    for n in names[1:]:
+        peft.load_adapter(adapters[n], adapter_name=n)
+    return base, peft.eval()
+
+
+def print_mode(r: ModeResult) -> None:
+    print(f"\n{r.mode}: | system | req/s | out tok/s | TTFT p50 s | TTFT p99 s | ITL p99 s | SLO att. | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, m in r.metrics.items():
+        print(f"| {name} | {m.throughput_rps:.3f} | {m.throughput_tok_s:.1f} | {m.ttft_p50_s:.2f} | "
+              f"{m.ttft_p99_s:.2f} | {m.itl_p99_s:.3f} | {m.slo_attainment:.2f} | {m.wall_s:.1f} |")
+    for x in r.matches:
+        print(f"  outputs {x.a} vs {x.b}: {x.exact_prefix_share:.2f} of {x.sampled} requests identical over the "
+              f"first {x.prefix_tokens} tokens; mean leading agreement {x.leading_agreement:.2f}")
+
+
+def print_scaling(points: list[ScalingPoint]) -> None:
+    print("\n| adapters | used | req/s | relative | predicted | loss ratio | host hits/misses/evict | "
+          "pool loads/evict |")
+    print("|---|---|---|---|---|---|---|---|")
+    for p in points:
+        ratio = "-" if p.loss_ratio is None else f"{p.loss_ratio:.2f}"
+        hc = p.host_cache
+        print(f"| {p.adapters} | {p.distinct_used} | {p.throughput_rps:.3f} | {p.relative_throughput:.3f} | "
+              f"{1 - (p.predicted_loss or 0):.3f} | {ratio} | {hc['hits']}/{hc['misses']}/{hc['evictions']} | "
+              f"{p.pool_loads}/{p.pool_evictions} |")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = ap.add_mutually_exclusive_group()
+    for name in PRESETS:
+        size.add_argument(f"--{name}", dest="preset", action="store_const", const=name)
+    ap.add_argument("--gpu", action="store_true", help="CUDA, bfloat16, a random model of Qwen2.5-1.5B's shape")
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the default model; --gpu: built)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for every system")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["online", "decode", "scaling", "cb"],
+                    help="parts to leave out (cb: transformers' continuous batching)")
+    ap.add_argument("--work-dir", type=Path, default=None, help="adapters are written here (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/e2e_<preset>.json)")
+    ap.add_argument("--host-cache-mib", type=float, default=None, help="override the preset's scaling host cache")
+    ap.add_argument("--scaling-pool-mib", type=float, default=None, help="override the preset's scaling pool")
+    args = ap.parse_args(argv)
+    preset_name = args.preset or "quick"
+    p = PRESETS[preset_name]
+    if args.host_cache_mib is not None:
+        p = dataclasses.replace(p, host_cache_mib=args.host_cache_mib)
+    if args.scaling_pool_mib is not None:
+        p = dataclasses.replace(p, scaling_pool_mib=args.scaling_pool_mib)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = args.out or _BENCH / "results" / f"e2e_{preset_name}{'_gpu' if args.gpu else ''}.json"
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="lp-e2e-"))
+    device = torch.device("cuda" if args.gpu else "cpu")
+    dtype_name = "bfloat16" if args.gpu else "float32"
+    dtype = getattr(torch, dtype_name)
+    model = args.model
+    if args.gpu and model is None:
+        from e2e.gpu_model import make_qwen25_15b_shape
+        model = str(make_qwen25_15b_shape(work / "qwen25-1.5b-shape"))
+    model = model or "default"
+    t_start = time.perf_counter()
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    log("roofline...")
+    tiny = preset_name == "tiny"  # a smoke run: a rough roofline is enough
+    ceilings = measure_ceilings(device, dtype, mib=64 if tiny else 512, reps=2 if tiny else 5,
+                                n=1024 if tiny else 2048)
+    econf = EngineConfig(model=model, dtype=dtype_name, device=device.type, pool_bytes=int(p.pool_mib * MiB),
+                         max_lora_rank=64, kernels="auto")
+    engine = EngineCore(econf)
+    cfg = engine.model_config
+    trace = T.generate(trace_spec(p, args.seed, p.num_adapters, p.requests))[: p.requests]
+    requests = requests_from_trace(trace, cfg.vocab_size, args.seed, max_len=engine.max_model_len)
+    adapters = ensure_adapters(work / "adapters", cfg, used_adapters(requests), args.seed)
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+    hf_base, hf_peft = load_hf(engine.model_path, dtype, device, adapters)
+    base_candidates = [HFStaticBatches("transformers-static", hf_base, p.peft_batch, use_adapters=False)]
+    if p.continuous_batching and "cb" not in args.skip:
+        base_candidates.append(HFContinuousBatching("transformers-continuous", hf_base))
+    systems = Systems(loraplex=LoraplexSystem("loraplex", engine, True),
+                      peft=HFStaticBatches("peft-static", hf_peft, p.peft_batch, use_adapters=True),
+                      base_candidates=base_candidates,
+                      loraplex_base=LoraplexSystem("loraplex-no-adapters", engine, False))
+
+    log(f"offline: {len(requests)} requests, {len(adapters)} distinct adapters...")
+    offline = run_offline(systems, requests, p.sample, p.prefix_tokens, log)
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "preset": preset_name, "preset_values": dataclasses.asdict(p),
+        "device": str(device), "dtype": dtype_name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "model": str(engine.model_path), "ceilings": ceilings.as_dict(), "trace": T.describe(trace),
+        "distinct_adapters": len(adapters), "pool_bytes": int(p.pool_mib * MiB),
+        "notes": ["static batches run to the longest output of the batch; each request is credited with its "
+                  "own output_tokens tokens and their times",
+                  "(c) is the better of the candidates by offline output tok/s; online replays only that one"],
+        "offline": offline.as_dict(),
+    }
+    print_mode(offline)
+    if "online" not in args.skip:
+        rate = p.online_load * offline.metrics["loraplex"].throughput_rps
+        log(f"online: {rate:.3f} req/s ({p.online_load} x loraplex's offline rate), TTFT target "
+            f"{p.ttft_target_s} s...")
+        online = run_online(systems, requests, rate, p.ttft_target_s, offline.base_choice, p.sample,
+                            p.prefix_tokens, log)
+        result["online"] = {"rate_rps": rate, **online.as_dict()}
+        print_mode(online)
+    del hf_base, hf_peft, systems
+    if "decode" not in args.skip:
+        log(f"decode at batch {p.decode_batch}...")
+        ranks = {n: int(n.rsplit("-r", 1)[1]) for n in adapters}
+        shares = [decode_share(engine, ceilings, [None], ranks, p.decode_batch, steps=p.decode_steps),
+                  decode_share(engine, ceilings, list(adapters), ranks, p.decode_batch, steps=p.decode_steps)]
+        result["decode"] = [s.as_dict() for s in shares]
+        for s in shares:
+            print(f"\ndecode B={s.batch} ctx={s.context} adapters {s.adapters}: {s.step_s * 1e3:.1f} ms/step, "
+                  f"{s.tokens_per_s:.0f} tok/s, {s.achieved_gflops:.0f} GFLOP/s = "
+                  f"{s.share_of_compute_ceiling:.2f} of the measured {ceilings.matmul_gflops:.0f} GFLOP/s")
+    del engine
+    if "scaling" not in args.skip:
+        log(f"scaling: {p.scaling_counts} adapters, {p.scaling_requests} requests, host cache "
+            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB...")
+        spec = trace_spec(p, args.seed, 1, p.scaling_requests)
+        points = run_scaling(dataclasses.replace(econf, pool_bytes=int(p.scaling_pool_mib * MiB)), spec,
+                             p.scaling_counts, p.scaling_requests, work / "adapters", ceilings,
+                             int(p.host_cache_mib * MiB), args.seed, log)
+        result["scaling"] = {"host_cache_bytes": int(p.host_cache_mib * MiB),
+                             "pool_bytes": int(p.scaling_pool_mib * MiB),
+                             "points": [pt.as_dict() for pt in points]}
+        print_scaling(points)
+        png = out.with_suffix(".png")
+        plot_scaling(points, png, f"loraplex adapter scaling ({preset_name}, {device.type}, {dtype_name}; host "
+                                  f"cache {p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB)")
+        result["scaling"]["plot"] = str(png)
+    result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nroofline: read {ceilings.read_gbps:.1f} GB/s, copy {ceilings.copy_gbps:.1f} GB/s, matmul "
+          f"{ceilings.matmul_gflops:.0f} GFLOP/s ({ceilings.dtype}, {ceilings.threads} threads); "
+          f"{result['elapsed_s']} s in all; wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

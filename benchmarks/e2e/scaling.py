@@ -1,0 +1,191 @@
+"""Throughput against the number of distinct adapters (offline, one trace), beside the floor's prediction.
+
+For each N in (1, 10, 100, 1000) the trace is regenerated with N adapters and the same seed: arrivals and
+lengths are identical (the trace generator draws them before the adapter picks); only which adapter each
+request names changes (power-law popularity). Adapters reach the engine the way the server feeds them:
+adapter folder -> host cache (byte-budgeted LRU, adapter_store.HostCache) -> EngineAdapterBridge -> engine
+-> page pool (evicting idle adapters, LRU). The host-cache budget and the pool size are stated in the
+result so that "more adapters than fit" shows; adapter loads run on the engine thread as each request is
+added (the server overlaps them with queueing instead), so their cost is inside the measured time.
+
+Floor-predicted time of run N = time of run 1 + (extra bytes) / read bandwidth + (extra LoRA FLOPs) /
+matmul rate, where the bytes are those of the distinct adapters each step reads, plus each host-cache load
+and each pool load (one pass over the adapter's bytes each), and the FLOPs are every token's shrink and
+expand at its adapter's rank. Loss = 1 - throughput_N / throughput_1, measured and predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from loraplex.adapter_store.engine_bridge import EngineAdapterBridge
+from loraplex.adapter_store.host_cache import HostCache
+from loraplex.adapter_store.loader import LoadTimings
+from loraplex.adapter_store.schemas import AdapterPublic
+from loraplex.config import EngineConfig
+from loraplex.engine import EngineCore
+from loraplex.lora.peft_loader import load_peft_adapter
+from loraplex.lora.types import TARGET_MODULES, LoraAdapter
+from loraplex.unified_pager import RowLayout, pack_adapter
+
+import traces as T
+
+from .ceiling import Ceilings
+from .metrics import summarize
+from .systems import LoraplexSystem, RunResult
+from .workload import BenchRequest, adapter_elements, all_at_once, ensure_adapters, requests_from_trace, \
+    used_adapters
+
+TENANT = "bench"
+
+
+@dataclass(frozen=True)
+class _StoreConfig:
+    dtype: str
+    max_lora_rank: int
+
+
+class FolderStore:
+    """The part of AdapterStore the engine bridge uses, over adapter folders instead of the registry and
+    object store: resolve a name, get/prefetch through the real HostCache (decoded and packed as the
+    store's loader does)."""
+
+    def __init__(self, engine: EngineCore, folders: dict[str, Path], host_cache_bytes: int):
+        self.config = _StoreConfig(engine.config.dtype, engine.config.max_lora_rank)
+        self._model = engine.model_config
+        self._dtype = engine.config.torch_dtype
+        self._layout = RowLayout.for_model(self._model, self._dtype)
+        now = datetime.now(timezone.utc)
+        self.refs = {name: AdapterPublic(
+            id=str(uuid.uuid5(uuid.NAMESPACE_URL, str(path))), tenant_id=TENANT, name=name, version=1,
+            base_model_fingerprint="", rank=int(name.rsplit("-r", 1)[1]), alpha=0.0,
+            target_modules=TARGET_MODULES, dtype=engine.config.dtype, size_bytes=0, sha256="",
+            storage_key=str(path), status="ready", status_detail=None, created_at=now, last_used_at=None)
+            for name, path in folders.items()}
+        self.cache = HostCache(host_cache_bytes, self._load, prefetch_workers=1)
+
+    def _load(self, ref: AdapterPublic) -> tuple[LoraAdapter, LoadTimings]:
+        t0 = time.perf_counter()
+        adapter = load_peft_adapter(ref.name, ref.storage_key, self._model, self.config.max_lora_rank, self._dtype)
+        t1 = time.perf_counter()
+        packed = pack_adapter(adapter, self._layout)
+        return packed, LoadTimings(0.0, 0.0, t1 - t0, adapter.nbytes, time.perf_counter() - t1)
+
+    def resolve(self, tenant_id: str, name: str) -> AdapterPublic:
+        return self.refs[name]
+
+    def get(self, ref: AdapterPublic) -> LoraAdapter:
+        return self.cache.get(ref)
+
+    def prefetch(self, ref: AdapterPublic):
+        return self.cache.prefetch(ref)
+
+
+@dataclass(frozen=True)
+class ScalingPoint:
+    adapters: int  # distinct adapters in the trace's popularity law
+    distinct_used: int  # of them, those some request names
+    throughput_rps: float
+    throughput_tok_s: float
+    wall_s: float
+    relative_throughput: float  # against the 1-adapter run
+    host_cache: dict  # HostCache stats: hits, misses, evictions, loads, load_seconds, budget_bytes
+    pool_loads: int
+    pool_evictions: int
+    pool_pages: int
+    adapter_pages_at_end: int
+    step_adapter_bytes: int  # summed over steps: bytes of the distinct adapters each step read
+    load_bytes: int  # host-cache loads + pool loads, one pass each
+    lora_flops: float
+    measured_loss: float | None = None
+    predicted_loss: float | None = None
+    loss_ratio: float | None = None  # measured / predicted (the issue's bound: <= 1.3)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _adapter_bytes(engine: EngineCore, name: str) -> int:
+    rank = int(name.split("/")[-1].rsplit("-r", 1)[1])
+    return adapter_elements(engine.model_config, rank) * engine.config.torch_dtype.itemsize
+
+
+def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folders: dict[str, Path],
+            host_cache_bytes: int) -> tuple[RunResult, ScalingPoint]:
+    engine = EngineCore(engine_config)  # fresh: nothing resident from another N
+    store = FolderStore(engine, folders, host_cache_bytes)
+    bridge = EngineAdapterBridge(engine, store)
+    system = LoraplexSystem("loraplex", engine, True, lambda name: bridge.prepare(store.refs[name]))
+    system.warmup()
+    run = system.serve(requests)
+    m = summarize(run)
+    cfg = engine.model_config
+    hc = store.cache.stats()
+    pool = engine.pager.stats()
+    pool_loads = pool.adapter_loads
+    step_bytes = sum(_adapter_bytes(engine, a) for step in run.extra["steps_adapters"] for a in step)
+    ranks = {r.id: int(r.adapter.rsplit("-r", 1)[1]) for r in requests if r.adapter}
+    # One pass over an adapter's bytes per host-cache load and per pool load (mean adapter size).
+    mean_bytes = (sum(_adapter_bytes(engine, n) for n in folders) / len(folders)) if folders else 0
+    load_bytes = int((hc.loads + pool_loads) * mean_bytes)
+    lora_flops = sum(2.0 * (len(r.prompt) + r.output_tokens) * adapter_elements(cfg, ranks[r.id])
+                     for r in requests if r.adapter)
+    point = ScalingPoint(
+        adapters=0, distinct_used=len(folders), throughput_rps=m.throughput_rps, throughput_tok_s=m.throughput_tok_s,
+        wall_s=run.wall_s, relative_throughput=1.0,
+        host_cache={k: v for k, v in asdict(hc).items() if k not in ("entries", "bytes")},
+        pool_loads=pool_loads, pool_evictions=pool.adapter_evictions, pool_pages=pool.total_pages,
+        adapter_pages_at_end=pool.adapter_pages, step_adapter_bytes=step_bytes, load_bytes=load_bytes,
+        lora_flops=lora_flops)
+    store.cache.close()
+    return run, point
+
+
+def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence[int], num_requests: int,
+                adapter_root: Path, ceilings: Ceilings, host_cache_bytes: int, seed: int = 0,
+                log=print) -> list[ScalingPoint]:
+    """The first `num_requests` requests of `spec`'s trace regenerated with each adapter count."""
+    points: list[ScalingPoint] = []
+    model_cfg = None
+    for n in counts:
+        trace = T.generate(dataclasses.replace(spec, num_adapters=n))[:num_requests]
+        if model_cfg is None:
+            from loraplex.models.config import load_model_config
+            from loraplex.models.default_model import resolve_model_path
+            model_cfg = load_model_config(resolve_model_path(engine_config.model, engine_config.cache_dir))
+        reqs = all_at_once(requests_from_trace(trace, model_cfg.vocab_size, seed,
+                                               max_len=model_cfg.max_model_len))
+        folders = ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed)
+        log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
+        _, point = run_one(engine_config, reqs, folders, host_cache_bytes)
+        point = dataclasses.replace(point, adapters=n)
+        log(f"    {point.wall_s:.1f} s, host cache {point.host_cache['hits']} hits / {point.host_cache['misses']} "
+            f"misses / {point.host_cache['evictions']} evictions, pool {point.pool_loads} loads / "
+            f"{point.pool_evictions} evictions")
+        points.append(point)
+    return with_predictions(points, ceilings)
+
+
+def with_predictions(points: list[ScalingPoint], ceilings: Ceilings) -> list[ScalingPoint]:
+    """Relative throughput and the floor's predicted loss against the first point (1 adapter)."""
+    if not points:
+        return points
+    ref = points[0]
+    out = []
+    for p in points:
+        extra_bytes = (p.step_adapter_bytes - ref.step_adapter_bytes) + (p.load_bytes - ref.load_bytes)
+        extra_s = extra_bytes / (ceilings.read_gbps * 1e9) + (p.lora_flops - ref.lora_flops) / (
+            ceilings.matmul_gflops * 1e9)
+        predicted_rel = ref.wall_s / (ref.wall_s + extra_s)
+        measured_rel = p.throughput_rps / ref.throughput_rps
+        measured_loss, predicted_loss = 1.0 - measured_rel, 1.0 - predicted_rel
+        ratio = measured_loss / predicted_loss if predicted_loss > 1e-9 else None
+        out.append(dataclasses.replace(p, relative_throughput=measured_rel, measured_loss=measured_loss,
+                                       predicted_loss=predicted_loss, loss_ratio=ratio))
+    return out

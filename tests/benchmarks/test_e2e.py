@@ -1,0 +1,128 @@
+"""The end-to-end benchmark harness (benchmarks/e2e) on a tiny random Llama: every system serves the same
+requests, greedy outputs agree where they must, metrics and counters are sane, files are written."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from e2e import run as e2e_run  # noqa: E402
+from e2e.ceiling import decode_flops_per_token, linear_params  # noqa: E402
+from e2e.online import at_rate  # noqa: E402
+from e2e.workload import BenchRequest, adapter_elements, write_random_adapter  # noqa: E402
+from factories import make_tiny_model  # noqa: E402
+from loraplex.lora.peft_loader import load_peft_adapter  # noqa: E402
+from loraplex.models.config import load_model_config  # noqa: E402
+
+SYSTEMS = {"loraplex", "peft-static", "transformers-static", "transformers-continuous", "loraplex-no-adapters"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=11)
+
+
+@pytest.fixture(scope="module")
+def result(tiny_model, tmp_path_factory) -> dict:
+    """One --tiny run of the entry point on the tiny model (1 thread: on a shared 2-core machine two threads
+    can stall). The host cache (0.4 MiB: about two of its adapters) is outgrown; it is smaller than the
+    scaling pool, so adapters leave the pool when the host cache drops them (the bridge unloads them)."""
+    work = tmp_path_factory.mktemp("e2e")
+    threads = torch.get_num_threads()
+    try:
+        return e2e_run.main(["--tiny", "--model", str(tiny_model), "--work-dir", str(work), "--out",
+                             str(work / "e2e.json"), "--host-cache-mib", "0.4", "--scaling-pool-mib", "1.5",
+                             "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_written_adapter_is_a_valid_peft_adapter(tiny_model, tmp_path):
+    cfg = load_model_config(tiny_model)
+    a = load_peft_adapter("x", write_random_adapter(tmp_path / "x", cfg, 8, seed=1), cfg, 16)
+    b = load_peft_adapter("y", write_random_adapter(tmp_path / "y", cfg, 8, seed=2), cfg, 16)
+    assert a.max_rank == 8 and len(a.modules) == 7 * cfg.num_layers
+    assert a.nbytes == adapter_elements(cfg, 8) * 4
+    assert not torch.equal(a.modules[0].b, b.modules[0].b)  # distinct content per seed
+    assert a.modules[0].b.abs().sum() > 0  # B is not PEFT's zero init: the adapter changes outputs
+
+
+def test_every_system_serves_every_request_and_outputs_agree(result):
+    off = result["offline"]
+    assert set(off["metrics"]) == SYSTEMS
+    n, tokens = result["trace"]["requests"], None
+    assert n == e2e_run.PRESETS["tiny"].requests
+    for name, m in off["metrics"].items():
+        assert m["requests"] == n
+        tokens = tokens or m["output_tokens"]
+        assert m["output_tokens"] == tokens  # each request credited exactly its own output tokens
+        assert m["throughput_rps"] == pytest.approx(n / m["wall_s"], rel=1e-2)
+        assert 0 < m["ttft_p50_s"] <= m["ttft_p99_s"] <= m["wall_s"]
+        assert 0 <= m["slo_attainment"] <= 1
+    matches = {(x["a"], x["b"]): x for x in off["matches"]}
+    # fp32 on a tiny model: ragged (ours) and left-padded (transformers) batches agree token for token.
+    assert matches[("loraplex", "peft-static")]["exact_prefix_share"] == 1.0
+    assert matches[("loraplex-no-adapters", "transformers-static")]["exact_prefix_share"] == 1.0
+    assert matches[("loraplex-no-adapters", "transformers-continuous")]["exact_prefix_share"] == 1.0
+    # ... and the adapters do change the outputs, so the first agreement is not vacuous.
+    assert matches[("loraplex", "loraplex-no-adapters")]["exact_prefix_share"] < 1.0
+    assert off["base_choice"] in ("transformers-static", "transformers-continuous")
+
+
+def test_online_replays_arrivals_and_reports_slo(result):
+    on = result["online"]
+    assert on["rate_rps"] > 0
+    assert set(on["metrics"]) == SYSTEMS - {"transformers-static", "transformers-continuous"} | {on["base_choice"]}
+    for m in on["metrics"].values():
+        assert m["slo_ttft_s"] == e2e_run.PRESETS["tiny"].ttft_target_s
+        assert 0 <= m["slo_attainment"] <= 1 and m["ttft_p50_s"] > 0
+        # arrivals are spread over time: the run lasts at least as long as the arrivals do
+        assert m["wall_s"] >= (m["requests"] - 1) / on["rate_rps"] * 0.99
+    assert {(x["a"], x["b"]): x for x in on["matches"]}[("loraplex", "peft-static")]["exact_prefix_share"] == 1.0
+
+
+def test_decode_share_and_roofline(result):
+    c = result["ceilings"]
+    assert c["read_gbps"] > 0 and c["matmul_gflops"] > 0
+    base, lora = result["decode"]
+    assert base["adapters"] == "none" and "distinct" in lora["adapters"]
+    for d in (base, lora):
+        assert d["tokens_per_s"] == pytest.approx(d["batch"] / d["step_s"])
+        assert d["share_of_compute_ceiling"] == pytest.approx(d["achieved_gflops"] / c["matmul_gflops"])
+        assert 0 < d["share_of_compute_ceiling"]
+    assert lora["flops_per_token"] > base["flops_per_token"]
+
+
+def test_scaling_outgrows_the_host_cache(result):
+    s = result["scaling"]
+    points = s["points"]
+    assert [p["adapters"] for p in points] == list(e2e_run.PRESETS["tiny"].scaling_counts)
+    assert points[0]["relative_throughput"] == 1.0 and points[0]["distinct_used"] == 1
+    assert points[-1]["distinct_used"] > 2
+    last = points[-1]
+    hc = last["host_cache"]
+    # every distinct adapter is loaded into the host cache at least once; it holds ~2, so some leave
+    assert hc["misses"] >= last["distinct_used"] and hc["evictions"] > 0
+    assert last["pool_loads"] >= last["distinct_used"]
+    for p in points:
+        assert p["predicted_loss"] >= 0 and p["step_adapter_bytes"] > 0
+    assert Path(s["plot"]).stat().st_size > 1000  # a PNG was drawn
+    written = json.loads(Path(s["plot"]).with_suffix(".json").read_text())
+    assert written["scaling"]["points"] == points
+
+
+def test_flops_per_token_and_at_rate(tiny_model):
+    cfg = load_model_config(tiny_model)
+    h, i, kv, L, V = 96, 200, 32, 3, 257  # the tiny Llama's shapes
+    linear = L * (h * h + 2 * h * kv + h * h + 3 * h * i) + V * h
+    assert linear_params(cfg) == linear
+    assert decode_flops_per_token(cfg, 10, 0.0) == 2 * linear + 4 * L * 10 * h
+    assert decode_flops_per_token(cfg, 10, 8.0) - decode_flops_per_token(cfg, 10, 0.0) == 2 * adapter_elements(cfg, 8)
+    reqs = [BenchRequest(f"r{k}", t, (3,), None, 1, 1.0) for k, t in enumerate([5.0, 5.5, 9.0])]
+    scaled = at_rate(reqs, 4.0)
+    assert [r.arrival_s for r in scaled] == pytest.approx([0.0, 0.0625, 0.5])  # 2 gaps in 0.5 s; shape kept
