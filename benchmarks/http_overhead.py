@@ -25,12 +25,11 @@ import platform
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -184,6 +183,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
                     help="for both the in-process engine and the server (the server's default)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating in-process / HTTP rounds (pooled)")
     ap.add_argument("--out", default="benchmarks/results/http_overhead.json")
     args = ap.parse_args()
 
@@ -197,41 +197,49 @@ def main() -> int:
     conc_prompts = make_prompts(tok, args.clients, args.seed + 1)
     hold_prompts = make_prompts(tok, args.hold, args.seed + 2)
 
-    async def inproc() -> dict:
-        await inproc_run(engine, seq_prompts[:2], args.tokens, False)  # warm-up
-        seq, seq_wall = await inproc_run(engine, seq_prompts, args.tokens, False)
-        conc, conc_wall = await inproc_run(engine, conc_prompts, args.tokens, True)
-        return {"seq": (seq, seq_wall), "conc": (conc, conc_wall)}
-
-    ref = asyncio.run(inproc())
-    engine.shutdown()
-    del engine
-
     with tempfile.TemporaryDirectory(prefix="loraplex-http-bench-") as tmp:
+        # Both paths stay up for the whole run and their measurements alternate round by round, so a
+        # change in this shared machine's load hits both alike (an in-process phase followed by an
+        # HTTP phase measured the load's drift as HTTP overhead).
         proc, url = start_server(Path(tmp), args)
         try:
             with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {OPERATOR_KEY}"}) as c:
                 key = c.post("/v1/tenants", json={"name": "bench"}).json()["api_key"]
 
-            async def over_http() -> dict:
-                await http_run(url, key, seq_prompts[:2], args.tokens, False)  # warm-up
-                seq = await http_run(url, key, seq_prompts, args.tokens, False)
-                conc = await http_run(url, key, conc_prompts, args.tokens, True)
-                hold = await http_run(url, key, hold_prompts, 16, True)
-                return {"seq": seq, "conc": conc, "hold": hold}
+            async def interleaved() -> dict:
+                await inproc_run(engine, seq_prompts[:2], args.tokens, False)  # warm-up
+                await http_run(url, key, seq_prompts[:2], args.tokens, False)
+                runs: dict = {"seq_in": [], "seq_http": [], "conc_in": [], "conc_http": []}
+                for _ in range(args.rounds):
+                    runs["seq_in"].append(await inproc_run(engine, seq_prompts, args.tokens, False))
+                    runs["seq_http"].append(await http_run(url, key, seq_prompts, args.tokens, False))
+                    runs["conc_in"].append(await inproc_run(engine, conc_prompts, args.tokens, True))
+                    runs["conc_http"].append(await http_run(url, key, conc_prompts, args.tokens, True))
+                runs["hold"] = await http_run(url, key, hold_prompts, 16, True)
+                return runs
 
-            got = asyncio.run(over_http())
+            runs = asyncio.run(interleaved())
         finally:
             proc.send_signal(signal.SIGTERM)
             exit_code = proc.wait(120)
+            engine.shutdown()
 
     mismatches = 0
     for name, prompts in (("seq", seq_prompts), ("conc", conc_prompts)):
-        want = {p: r.text for p, r in zip(prompts, ref[name][0])}
-        mismatches += sum(want[p] != r.text for p, r in zip(prompts, got[name][0]))
-    s_in, s_http = summarise(*ref["seq"]), summarise(got["seq"][0], got["seq"][1])
-    c_in, c_http = summarise(*ref["conc"]), summarise(got["conc"][0], got["conc"][1])
-    hold_results, hold_wall, hold_errors = got["hold"]
+        for results, *_ in runs[f"{name}_in"] + runs[f"{name}_http"]:
+            want = {p: r.text for p, r in zip(prompts, runs[f"{name}_in"][0][0])}
+            mismatches += sum(want[p] != r.text for p, r in zip(prompts, results))
+    http_errors = [e for _, _, errs in runs["seq_http"] + runs["conc_http"] for e in errs]
+
+    def pooled(key: str) -> dict:
+        """All rounds of one path together: their results, and their walls summed."""
+        return summarise([r for res, *_ in runs[key] for r in res], sum(w for _, w, *_ in runs[key]))
+
+    s_in, s_http = pooled("seq_in"), pooled("seq_http")
+    c_in, c_http = pooled("conc_in"), pooled("conc_http")
+    per_round = [summarise(h[0], h[1])["tokens_per_s"] / summarise(*i)["tokens_per_s"]
+                 for i, h in zip(runs["conc_in"], runs["conc_http"])]
+    hold_results, hold_wall, hold_errors = runs["hold"]
     report = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "model": "default (SmolLM2-135M-Instruct, float32)", "tokens_per_request": args.tokens,
@@ -241,16 +249,17 @@ def main() -> int:
                        "added_ttft_p50_ms": s_http["ttft_p50_ms"] - s_in["ttft_p50_ms"]},
         f"{args.clients}_clients": {"in_process": c_in, "http": c_http,
                                     "throughput_ratio": c_http["tokens_per_s"] / c_in["tokens_per_s"],
+                                    "throughput_ratio_per_round": per_round,
                                     "added_e2e_p50_ms": c_http["e2e_p50_ms"] - c_in["e2e_p50_ms"],
                                     "added_e2e_p99_ms": c_http["e2e_p99_ms"] - c_in["e2e_p99_ms"]},
         "hold": {"clients": args.hold, "completed": len(hold_results), "errors": hold_errors[:10],
                  "num_errors": len(hold_errors), "wall_s": hold_wall},
-        "http_errors": got["seq"][2] + got["conc"][2], "text_mismatches": mismatches,
+        "rounds": args.rounds, "http_errors": http_errors, "text_mismatches": mismatches,
         "server_exit_code": exit_code,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"\n| run | in-process | HTTP | HTTP vs in-process |\n|---|---|---|---|")
+    print("\n| run | in-process | HTTP | HTTP vs in-process |\n|---|---|---|---|")
     print(f"| 1 client, e2e p50 / p99 ms | {s_in['e2e_p50_ms']:.1f} / {s_in['e2e_p99_ms']:.1f} | "
           f"{s_http['e2e_p50_ms']:.1f} / {s_http['e2e_p99_ms']:.1f} | +{report['one_client']['added_e2e_p50_ms']:.1f}"
           f" / +{report['one_client']['added_e2e_p99_ms']:.1f} ms |")
@@ -258,6 +267,8 @@ def main() -> int:
           f"{report[f'{args.clients}_clients']['throughput_ratio']:.3f}x |")
     print(f"| {args.hold} streams held | | {len(hold_results)} completed, {len(hold_errors)} errors | |")
     print(f"text mismatches: {mismatches}; server exit code after SIGTERM: {exit_code}; JSON: {args.out}")
+    print(f"per-round HTTP/in-process throughput at {args.clients} clients: "
+          + ", ".join(f"{x:.3f}" for x in per_round))
     return 0 if not mismatches and not hold_errors and not report["http_errors"] else 1
 
 
