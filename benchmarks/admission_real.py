@@ -61,7 +61,9 @@ def run_real(core: EngineCore, trace: list[T.TraceRequest], config: SimConfig, c
             i += 1
             target = r.ttft_target_ms / 1e3
             # The HTTP layer's budget: the target less the time since the request came in.
-            if config.admission and not slo.check(r.prompt_tokens, target - (now - r.arrival_s)).allowed:
+            if config.admission and not slo.check(r.prompt_tokens, target - (now - r.arrival_s), tenant=r.tenant,
+                                                  share=float(config.shares.get(r.tenant, 1.0)), request_id=r.id,
+                                                  max_tokens=r.output_tokens).allowed:
                 record(r, REFUSED, None, now, 0)
                 continue
             core.add_request(prompts[r.id], SamplingParams(max_tokens=r.output_tokens, ignore_eos=True,
@@ -80,7 +82,7 @@ def run_real(core: EngineCore, trace: list[T.TraceRequest], config: SimConfig, c
             else:
                 record(r, OK, out.first_token_time - t0, out.finish_time - t0, len(out.token_ids))
         if slo is not None and core.slo is None:  # admission without engine-side abort: publish ourselves
-            slo.publish(core.scheduler.running, core.scheduler.policy.order(core.scheduler.waiting))
+            slo.publish(core.scheduler.view())
     core.slo = None
     core.scheduler.policy = make_queue_policy(ec.queue_policy)
     return [outcomes[r.id] for r in trace], (slo.cost if slo is not None else None)

@@ -56,9 +56,9 @@ class _RecordingSlo(SloController):
         super().__init__(*args, **kwargs)
         self.records: list[StepRecord] = []
 
-    def after_step(self, record, running, waiting) -> None:
+    def after_step(self, record, view, now=None) -> None:
         self.records.append(record)
-        super().after_step(record, running, waiting)
+        super().after_step(record, view, now)
 
 
 def _run_phases(core: EngineCore, rng: random.Random, phases, adapters: list[str]) -> None:

@@ -214,7 +214,9 @@ class Simulator:
             raise CapacityError(f"request {item.id} can never fit in this pool; raise pool_bytes")
         if self.slo is not None and self.config.admission:
             # The whole target is the budget: the check runs the moment the request comes in.
-            decision = self.slo.check(item.prompt_tokens, target_s)
+            decision = self.slo.check(item.prompt_tokens, target_s, tenant=item.tenant,
+                                      share=float(self.config.shares.get(item.tenant, 1.0)), request_id=item.id,
+                                      max_tokens=item.output_tokens, now=item.arrival_s)
             self._predicted[item.id] = decision.predicted_ttft_s
             if not decision.allowed:
                 self._record(item, REFUSED, None, item.arrival_s, 0)
@@ -238,9 +240,11 @@ class Simulator:
 
     def _step(self) -> None:
         """EngineCore.step with the model replaced by the cost model."""
-        sched, policy = self.scheduler, self.scheduler.policy
+        sched = self.scheduler
         if self.slo is not None and self.config.early_abort:
-            for req in self.slo.unreachable(sched.running, policy.order(sched.waiting), self.now):
+            waiting = {r.request_id: r for r in sched.waiting}
+            for rid in self.slo.unreachable(sched.view(), self.now):
+                req = waiting[rid]
                 sched.finish(req, RequestStatus.FINISHED_SLO_MISSED)
                 self._record(self._items[req.request_id], ABORTED, None, self.now, 0, req.num_preemptions)
             if not sched.has_unfinished():
@@ -264,8 +268,8 @@ class Simulator:
         arrived = self._admit_arrivals()
         if self.slo is not None:
             # The engine times only the model's execution (not schedule(), where adapters are placed).
-            self.slo.after_step(StepRecord(out.num_tokens, cached, len(out.chunks), compute_s),
-                                sched.running, policy.order(sched.waiting))
+            self.slo.after_step(StepRecord(out.num_tokens, cached, len(out.chunks), compute_s), sched.view(),
+                                now=self.now)
         self._enqueue(arrived)
 
     def _postprocess(self, out: SchedulerOutput) -> None:

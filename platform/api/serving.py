@@ -134,7 +134,8 @@ class InferenceService:
                                retry_after_s=2, code="overloaded")
             ticket = await self._acquire(p.tenant_id, rid, len(ids) + sampling.max_tokens)
             if target is not None:
-                self._check_slo(len(ids), target / 1000.0 - (time.monotonic() - received), adapter)
+                self._check_slo(len(ids), target / 1000.0 - (time.monotonic() - received), adapter, tenant, rid,
+                                sampling.max_tokens)
         except BaseException as e:
             if ticket is not None:
                 await self._release(ticket, 0)
@@ -170,12 +171,16 @@ class InferenceService:
         raise too_many(f"rate limit reached ({d.reason}); retry in {math.ceil(d.retry_after_s)} s",
                        retry_after_s=math.ceil(d.retry_after_s), code=d.reason or "rate_limited")
 
-    def _check_slo(self, prompt_tokens: int, budget_s: float, adapter: AdapterPublic | None) -> None:
+    def _check_slo(self, prompt_tokens: int, budget_s: float, adapter: AdapterPublic | None, tenant: TenantPublic,
+                   rid: str, max_tokens: int) -> None:
         slo = self.state.slo
         if slo is None:
             return
         extra = self._adapter_load_estimate_s(adapter)
-        d = slo.check(prompt_tokens, budget_s, extra)
+        # The tenant and its share place the request in the queue policy's order (under VTC a light tenant's
+        # request is not predicted to wait behind another tenant's flood).
+        d = slo.check(prompt_tokens, budget_s, extra, tenant=tenant.id, share=tenant.share, request_id=rid,
+                      max_tokens=max_tokens)
         if not d.allowed:
             raise too_many(f"the first token would come in about {d.predicted_ttft_s * 1000:.0f} ms, past this "
                            f"tenant's TTFT target; retry later", retry_after_s=int(d.retry_after_s), code=SLO_MISSED)

@@ -191,16 +191,15 @@ class EngineCore:
             from loraplex.admission.cost_model import StepRecord
 
             self.slo.after_step(StepRecord(sched.num_tokens, cached, len(sched.chunks), seconds),
-                                self.scheduler.running, self.scheduler.policy.order(self.scheduler.waiting))
+                                self.scheduler.view())
         return expired + outs
 
     def _abort_unreachable(self) -> list[RequestOutput]:
         """S-LoRA's early abort: queued requests that can no longer meet their TTFT deadline leave now."""
-        late = self.slo.unreachable(self.scheduler.running, self.scheduler.policy.order(self.scheduler.waiting),
-                                    time.monotonic())
+        late = self.slo.unreachable(self.scheduler.view(), time.monotonic())
         outs = []
-        for req in late:
-            self.requests.pop(req.request_id, None)
+        for rid in late:
+            req = self.requests.pop(rid)
             self.scheduler.finish(req, RequestStatus.FINISHED_SLO_MISSED)
             outs.append(self.outputs.finish(req))
         return outs

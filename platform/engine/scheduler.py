@@ -8,6 +8,13 @@ whose adapter cannot be placed yet. A request is scheduled
 only when its adapter is resident in the pool. When pages
 run out, the pager first evicts idle adapters; if that is not enough, the newest running request
 is preempted (its KV freed, recomputed later).
+
+Under VTC the policy changes (queue_policy.Vtc): the order of the running requests (least-served tenants
+first); which running prompt chunks wait until the waiting requests are placed (those of tenants ahead of a
+waiting tenant: `later`); which prompt chunks wait a step because a less-served tenant's prompt is in it
+(holds); whether a waiting request may preempt a running one to get a slot or pages (make_room: one of a
+tenant ahead of it); and which request is preempted when pages run out (the newest of a tenant ahead of the others).
+FCFS and LIFO keep the rules above.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from loraplex.unified_pager import UnifiedPager
 
 from .adapters import AdapterKey, AdapterTable
 from .queue_policy import Fcfs, QueuePolicy
+from .queue_view import QueueView
 from .request import Request, RequestStatus
 
 
@@ -94,35 +102,44 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def view(self) -> QueueView:
+        """A frozen picture of the queues in the policy's terms, for readers on other threads (SLO checks)."""
+        return self.policy.view(self.running, self.waiting)
+
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n):
-                victim = self.running.pop()  # newest first
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            else:
-                chunks.append(ScheduledChunk(req, n, self.adapter_keys[req.request_id]))
-                budget -= n
-                i += 1
-                continue
-            break  # the request itself was preempted: nothing more fits
+        prompt_tenants: set = set()  # tenants with a prompt chunk in this step (the policy may hold others back)
+        first, later = self.policy.split_running(self.running, self.waiting)
+        budget = self._schedule_running(first, budget, chunks, preempted, prompt_tenants)
 
         # Waiting requests in the policy's order. One whose adapter cannot be placed yet is skipped, not
         # waited on: it must not hold back base-model requests or requests for resident adapters
-        # (head-of-line blocking). A KV allocation that fails ends the scan: the pool is full.
+        # (head-of-line blocking). When no sequence slot or no pages are left, the policy may preempt a
+        # running request to make room (VTC: one of a more-served tenant; FCFS and LIFO never do); otherwise
+        # the scan ends there.
+        # After a preemption in this step (the pool is full) vLLM admits nothing; here too, except requests for
+        # which the policy would make room (under VTC: those of tenants behind a running tenant).
         admitted: list[Request] = []
-        for req in (self.policy.order(self.waiting) if not preempted else ()):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+        started = len(self.running)  # running[:started] ran before this scan: the only candidates to make room
+        held: dict = {}  # tenant -> its running sequences (the policy may cap them)
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0) + 1
+        for req in self.policy.order(self.waiting):
+            if budget <= 0:
+                break
+            if preempted and self.policy.make_room(req, self.running[:started]) is None:
+                break
+            if self.policy.holds(req, prompt_tenants):
+                continue
+            cap = self.policy.seq_cap(req, self.max_num_seqs)
+            if cap is not None and held.get(req.tenant, 0) >= cap:
+                continue
+            while len(self.running) >= self.max_num_seqs and self._make_room(req, started, chunks, preempted, held):
+                started -= 1
+            if len(self.running) >= self.max_num_seqs:
                 break
             key = self.adapter_keys[req.request_id]
             if key is not None:
@@ -130,17 +147,78 @@ class Scheduler:
                     continue
                 self.pager.pin(key)  # before KV allocation, which may evict idle adapters
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n):
+            fits = self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n)
+            while not fits and self._make_room(req, started, chunks, preempted, held):
+                started -= 1
+                fits = self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n)
+            if not fits:
                 if key is not None:
                     self.pager.unpin(key)
                 break
             admitted.append(req)
+            held[req.tenant] = held.get(req.tenant, 0) + 1
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             chunks.append(ScheduledChunk(req, n, key))
             budget -= n
+            prompt_tenants.add(req.tenant)
         for req in admitted:
             self.waiting.remove(req)
+        if later:  # running prompt chunks the policy put behind the waiting requests
+            self._schedule_running(later, budget, chunks, preempted, prompt_tenants)
+        # Requests the policy holds back because of a prompt placed after them in this step (their KV stays
+        # allocated for the tokens: allocation never shrinks, and they run in a later step).
+        chunks = [c for c in chunks if not self.policy.holds(c.request, prompt_tenants)]
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _schedule_running(self, reqs: list[Request], budget: int, chunks: list[ScheduledChunk],
+                          preempted: list[str], prompt_tenants: set) -> int:
+        """Schedule these running requests in order under the budget; when pages run out, preempt the policy's
+        victim until the request fits (or is itself the victim). Returns the budget left."""
+        for req in reqs:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            prompt = req.num_tokens - req.num_computed_tokens > 1
+            if self.policy.holds(req, prompt_tenants):
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n):
+                victim = self.policy.victim(self.running)
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                budget += self._unschedule(victim, chunks)
+                if victim is req:
+                    break
+            else:
+                chunks.append(ScheduledChunk(req, n, self.adapter_keys[req.request_id]))
+                budget -= n
+                if prompt:
+                    prompt_tenants.add(req.tenant)
+        return budget
+
+    def _make_room(self, req: Request, started: int, chunks: list[ScheduledChunk], preempted: list[str],
+                   held: dict) -> bool:
+        """Preempt the running request the policy names to make room for the waiting req; False: none."""
+        victim = self.policy.make_room(req, self.running[:started])
+        if victim is None:
+            return False
+        held[victim.tenant] -= 1
+        self.running.remove(victim)
+        self._preempt(victim)
+        preempted.append(victim.request_id)
+        self._unschedule(victim, chunks)  # its budget is not reused in this scan: the step is already planned
+        return True
+
+    @staticmethod
+    def _unschedule(req: Request, chunks: list[ScheduledChunk]) -> int:
+        """Take back a chunk scheduled earlier in this step for a request since preempted; its tokens."""
+        for i, c in enumerate(chunks):
+            if c.request is req:
+                del chunks[i]
+                return c.num_new_tokens
+        return 0

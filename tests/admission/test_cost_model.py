@@ -7,7 +7,8 @@ import random
 import pytest
 
 from loraplex.admission.cost_model import StepCost, StepCostModel, StepRecord
-from loraplex.admission.ttft import QueueSnapshot, RunningSeq, predict_first_token_s
+from loraplex.admission.ttft import QueueSnapshot, predict_first_token_s
+from loraplex.engine.queue_view import OrderedView, Queued
 
 
 def _steps(rng: random.Random, cost: StepCost, n: int, noise: float = 0.02) -> list[StepRecord]:
@@ -55,16 +56,22 @@ def test_prior_until_enough_samples_and_bad_records_ignored():
     assert model.samples == 0
 
 
+def _q(i: int, todo: int, context: int = 0, remaining: int = 50) -> Queued:
+    return Queued(f"q{i}", None, 1.0, context, todo, remaining)
+
+
 def test_prediction_grows_with_the_queue_and_waits_for_a_full_batch():
     cost = StepCost(0.01, 1e-3, 1e-6, 100)
     empty = QueueSnapshot.empty(512, 8)
     alone = predict_first_token_s(empty, cost, 100)
     assert alone == pytest.approx(cost.predict(100, 0))
-    queued = QueueSnapshot((), (400, 400, 400), 512, 8, 0.0)
-    behind = predict_first_token_s(queued, cost, 100)
-    assert behind > 2 * alone  # 1,300 prompt tokens: three chunked steps
-    assert predict_first_token_s(queued, cost, 100, ahead_prompt_tokens=0, ahead_requests=0) == pytest.approx(alone)
-    full = QueueSnapshot(tuple(RunningSeq(200, 50) for _ in range(8)), (), 512, 8, 0.0)
+    three = tuple(_q(i, 400) for i in range(3))
+    fcfs = predict_first_token_s(QueueSnapshot(OrderedView((), three), 512, 8, 0.0), cost, 100)
+    assert fcfs > 2 * alone  # 1,300 prompt tokens: three chunked steps
+    # LIFO: the new request is placed before the waiting ones (only the step in progress is ahead of it).
+    lifo = predict_first_token_s(QueueSnapshot(OrderedView((), three, newest_first=True), 512, 8, 0.0), cost, 100)
+    assert lifo < fcfs
+    full = QueueSnapshot(OrderedView(tuple(_q(i, 1, 200, 50) for i in range(8)), ()), 512, 8, 0.0)
     waiting_for_slot = predict_first_token_s(full, cost, 100)
     assert waiting_for_slot > 50 * cost.predict(8, 8 * 200)  # the soonest finisher has 50 tokens to go
     assert predict_first_token_s(empty, cost, 100, extra_s=0.5) == pytest.approx(alone + 0.5)

@@ -64,7 +64,7 @@ def test_fit_from_real_steps_then_early_abort(core):
 
 
 def test_check_refuses_what_the_queue_makes_impossible(core):
-    core.slo.publish([], [])
+    core.slo.publish(core.scheduler.view())
     alone = core.slo.check(10, budget_s=60)
     assert alone.allowed and alone.retry_after_s == 0
     refused = core.slo.check(10, budget_s=alone.predicted_ttft_s / 10)

@@ -10,10 +10,14 @@ import torch
 from factories import make_tiny_model
 from loraplex.config import EngineConfig
 from loraplex.engine.engine_core import EngineCore
+from loraplex.engine.adapters import AdapterTable
 from loraplex.engine.queue_policy import Fcfs, Lifo, Vtc, make_queue_policy
-from loraplex.engine.request import Request
+from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler
 from loraplex.errors import ConfigError
+from loraplex.models.config import load_model_config
+from loraplex.unified_pager import PoolGeometry, UnifiedPager
 
 
 def _req(rid: str, tenant: str, prompt: int = 10, share: float = 1.0) -> Request:
@@ -97,3 +101,95 @@ def test_vtc_in_the_engine_lets_the_light_tenant_through_a_flood(model_dir):
     assert fcfs.index("g0") == 12  # FCFS: behind the whole flood
     assert vtc.index("g0") <= 2 and vtc.index("g1") <= 4  # VTC: interleaved with the flood
     assert sorted(vtc) == sorted(fcfs)  # everyone is served
+
+
+# -- tenant-aware scheduling under VTC (the real Scheduler and page pool; tokens advanced by hand) -------------
+
+def _sched(model_config, policy, kv_blocks: int, max_num_seqs: int = 8) -> Scheduler:
+    """A scheduler whose pool holds exactly kv_blocks KV blocks of 16 tokens (no adapters)."""
+    probe = PoolGeometry.for_model(model_config, 1 << 20, torch.float32, 16)
+    pool_bytes = kv_blocks * probe.kv_pages_for_tokens(16) * probe.page_bytes
+    pager = UnifiedPager(PoolGeometry.for_model(model_config, pool_bytes, torch.float32, 16), "cpu")
+    return Scheduler(pager, AdapterTable(pager), max_num_seqs, 256, policy)
+
+
+def _add(sched: Scheduler, rid: str, tenant: str, prompt: int) -> Request:
+    req = Request(request_id=rid, prompt_token_ids=[1] * prompt, params=SamplingParams(max_tokens=50), adapter=None,
+                  max_total_tokens=1000, tenant=tenant)
+    sched.add(req, None)
+    return req
+
+
+def _step(sched: Scheduler):
+    """One scheduling step, with the tokens computed as the engine would (a token sampled once caught up)."""
+    out = sched.schedule()
+    for c in out.chunks:
+        r = c.request
+        prompt = max(0, min(r.num_computed_tokens + c.num_new_tokens, len(r.prompt_token_ids)) - r.num_computed_tokens)
+        r.num_computed_tokens += c.num_new_tokens
+        sampled = r.num_computed_tokens == r.num_tokens
+        if sampled:
+            r.output_token_ids.append(0)
+        sched.account(r, prompt, int(sampled))
+    return out
+
+
+def _flood_then_light(model_config, policy, kv_blocks: int, max_num_seqs: int = 8, served: float = 0.0):
+    """Three flood requests running (decoding, 8-token prompts: one block each), one more of the flood waiting
+    (it asks for more than it gets), then a light request with a 16-token prompt. `served`: weighted tokens of
+    service the flood had before (VTC)."""
+    sched = _sched(model_config, policy, kv_blocks, max_num_seqs)
+    flood = [_add(sched, f"a{i}", "flood", 8) for i in range(3)]
+    _step(sched)
+    light = _add(sched, "b1", "light", 16)
+    _add(sched, "a4", "flood", 8)
+    if served:
+        policy.on_tokens(flood[0], served, 0)
+    return sched, flood, light
+
+
+@pytest.fixture(scope="module")
+def model_config(model_dir):
+    return load_model_config(model_dir)
+
+
+def test_vtc_preempts_the_over_served_tenant_when_pages_run_out(model_config):
+    """Pages run out with a light request admitted last: FCFS (vLLM's rule) preempts it, the newest; VTC
+    preempts the newest request of the flood, which has been served far more and asks for more."""
+    for policy, served in ((Fcfs(), 0.0), (Vtc(), 20000.0)):
+        sched, flood, light = _flood_then_light(model_config, policy, kv_blocks=4, served=served)
+        _step(sched)  # light's prompt takes the last free block; the flood's fourth request finds none
+        assert light.status == RequestStatus.RUNNING and len(sched.running) == 4
+        out = _step(sched)  # light's 17th token needs a second block: there is none
+        if isinstance(policy, Fcfs):
+            assert out.preempted == ("b1",) and light.status == RequestStatus.PREEMPTED
+        else:
+            assert out.preempted == ("a2",) and flood[2].status == RequestStatus.PREEMPTED
+            assert light.status == RequestStatus.RUNNING and any(c.request is light for c in out.chunks)
+        sched.pager.check_integrity()
+
+
+def test_vtc_without_a_tenant_ahead_preempts_like_vllm(model_config):
+    """Tenants that have had about the same service: VTC keeps vLLM's rule (the newest is preempted)."""
+    sched, flood, light = _flood_then_light(model_config, Vtc(), kv_blocks=4)
+    _step(sched)
+    out = _step(sched)
+    assert out.preempted == ("b1",)
+
+
+def test_vtc_light_request_takes_a_slot_from_the_flood_and_its_step_alone(model_config):
+    """No sequence slot free: under VTC the light request preempts the flood's newest running request, and the
+    step that computes its prompt carries nothing of the flood (its decodes wait a step); FCFS makes it wait."""
+    sched, flood, light = _flood_then_light(model_config, Fcfs(), kv_blocks=64, max_num_seqs=3)
+    out = _step(sched)
+    assert light.status == RequestStatus.WAITING and not out.preempted
+    assert {c.request.tenant for c in out.chunks} == {"flood"}
+
+    vtc = Vtc()
+    sched, flood, light = _flood_then_light(model_config, vtc, kv_blocks=64, max_num_seqs=3, served=20000.0)
+    out = _step(sched)
+    assert light.status == RequestStatus.RUNNING and out.preempted == ("a2",)
+    assert [c.request.request_id for c in out.chunks] == ["b1"]
+    assert light.output_token_ids == [0]  # its first token, in a step of its own
+    out = _step(sched)  # no light prompt any more: the flood decodes again, beside the light decode
+    assert {c.request.request_id for c in out.chunks} == {"a0", "a1", "b1"}
