@@ -5,9 +5,10 @@ with A_a^T [in, r] and B_a^T [r, out] read from the unified pool through the ada
 (pool_rows is the pool viewed as [rows, D]; AdapterResidency.a_index/b_index give the physical
 rows of one (layer, module)).
 
-Why two shapes of loop: one-token segments (decode) of different adapters are batched per rank, since a
-Python loop over a batch of 64 distinct adapters would cost more than the arithmetic; segments of
-several tokens (prefill chunks, or many decode tokens sharing an adapter) are one matmul each.
+Why two shapes of loop: the tokens of short segments (decode, one token per request) are batched per
+rank, since a Python loop over a batch of 64 distinct adapters would cost more than the arithmetic; segments of several tokens (prefill
+chunks, or many decode tokens sharing an adapter) are one matmul each, on a view of the matrix where
+its pool rows are consecutive and on a gathered copy where they are not.
 
 The batched one-token path reads the weights in place with embedding_bag: both products are sums of
 weight rows scaled by one number each, which is what embedding_bag computes (with per_sample_weights),
@@ -30,23 +31,41 @@ import torch.nn.functional as F
 from .metadata import LoraBatch, LoraSegment
 
 
+# Segments up to this many tokens join the batched in-place path, token by token (a token's bags re-read
+# its adapter's rows, which one (layer, module) keeps in cache: at most a few hundred KB); longer ones
+# (prefill chunks) are a matmul each. Measured on the dev CPU: 30 adapters shared by 64 decode tokens
+# (segments of 2-3 tokens) took 682 ms per step through per-segment matmuls against 176 ms without
+# adapters, the per-segment op overhead (about 5 small ops per segment, layer and module) dominating.
+SHORT_SEGMENT = 16
+
+
 @dataclass(frozen=True)
-class _SingleGroup:
-    """One-token segments of one rank, multiplied as one batch of embedding bags."""
+class _TokenGroup:
+    """Tokens of short segments whose adapters have one rank, multiplied as one batch of embedding bags."""
 
     rank: int
     band: int  # g = gcd(rank, D): width of the A^T column bands the shrink bags sum
     tokens: torch.Tensor  # [n] int64
+    span: tuple[int, int] | None  # (first, end) when tokens are first..end-1: slices instead of indexing
     shrink_index: torch.Tensor  # [n * rank/g * in], rows of the pool viewed as [-1, g]
     shrink_offsets: torch.Tensor  # [n * rank/g], bag starts (every bag has `in` rows)
     expand_index: torch.Tensor  # [n * out/D * rank], rows of the pool viewed as [-1, D]
     expand_offsets: torch.Tensor  # [n * out/D], bag starts (every bag has `rank` rows)
     scales: torch.Tensor  # [n, 1] in the activation dtype
 
+    def take(self, x: torch.Tensor) -> torch.Tensor:  # [T, F] -> [n, F]
+        return x[self.span[0] : self.span[1]] if self.span is not None else x.index_select(0, self.tokens)
+
+    def add_to(self, y: torch.Tensor, delta: torch.Tensor) -> None:  # y [T, out] += delta [n, out] at tokens
+        if self.span is not None:
+            y[self.span[0] : self.span[1]] += delta
+        else:
+            y.index_add_(0, self.tokens, delta)
+
 
 @dataclass(frozen=True)
 class _Plan:
-    singles: tuple[_SingleGroup, ...]
+    singles: tuple[_TokenGroup, ...]
     multi: tuple[LoraSegment, ...]
 
 
@@ -92,34 +111,38 @@ def _plan(lora: LoraBatch, layer: int, module: int, pool_rows: torch.Tensor, dty
     multi: list[LoraSegment] = []
     for seg in lora.segments:
         slot = seg.adapter.slots.get(key)
-        if slot is None:
+        if slot is None or seg.length == 0:
             continue
-        if seg.length == 1:
+        if seg.length <= SHORT_SEGMENT:
             by_rank.setdefault(slot.rank, []).append(seg)
         else:
             multi.append(seg)
     singles = []
-    for rank, segs in list(by_rank.items()):
-        if len(segs) == 1:  # nothing to batch: the direct path multiplies one matrix
-            multi.extend(segs)
-            continue
+    for rank, segs in by_rank.items():
+        # Even a lone one-token segment goes here: embedding_bag reads its rows in place, where the
+        # matmul path would first copy the matrices out of scattered pages.
         slot = segs[0].adapter.slots[key]
         g = math.gcd(rank, pool_rows.shape[1])
         bags = [_bag_indices(s.adapter, layer, module, pool_rows) for s in segs]
-        shrink_index = torch.cat([b[0] for b in bags])
-        expand_index = torch.cat([b[1] for b in bags])
-        n_shrink_bags = len(segs) * rank // g
-        n_expand_bags = len(segs) * slot.out_features // pool_rows.shape[1]
+        # Token-major: each token of a segment repeats its adapter's bags.
+        shrink_index = torch.cat([b[0].repeat(s.length) for b, s in zip(bags, segs)])
+        expand_index = torch.cat([b[1].repeat(s.length) for b, s in zip(bags, segs)])
+        starts = [t for s in segs for t in range(s.start, s.start + s.length)]
+        n = len(starts)
+        contiguous = starts == list(range(starts[0], starts[0] + n))
         singles.append(
-            _SingleGroup(
+            _TokenGroup(
                 rank=rank,
                 band=g,
-                tokens=torch.tensor([s.start for s in segs], dtype=torch.long, device=device),
+                tokens=torch.tensor(starts, dtype=torch.long, device=device),
+                span=(starts[0], starts[0] + n) if contiguous else None,
                 shrink_index=shrink_index,
-                shrink_offsets=torch.arange(n_shrink_bags, dtype=shrink_index.dtype, device=device) * slot.in_features,
+                shrink_offsets=torch.arange(n * rank // g, dtype=shrink_index.dtype, device=device) * slot.in_features,
                 expand_index=expand_index,
-                expand_offsets=torch.arange(n_expand_bags, dtype=expand_index.dtype, device=device) * rank,
-                scales=torch.tensor([[s.adapter.slots[key].scale] for s in segs], dtype=dtype, device=device),
+                expand_offsets=torch.arange(n * (slot.out_features // pool_rows.shape[1]), dtype=expand_index.dtype,
+                                            device=device) * rank,
+                scales=torch.tensor([[s.adapter.slots[key].scale] for s in segs for _ in range(s.length)],
+                                    dtype=dtype, device=device),
             )
         )
     plan = _Plan(tuple(singles), tuple(multi)) if (singles or multi) else None
@@ -128,22 +151,22 @@ def _plan(lora: LoraBatch, layer: int, module: int, pool_rows: torch.Tensor, dty
 
 
 def _shrink_group(
-    g: _SingleGroup,
+    g: _TokenGroup,
     x: torch.Tensor,  # [T, in]
     pool_rows: torch.Tensor,  # [R, D]
 ) -> torch.Tensor:  # [n, rank], scale applied
     n = g.tokens.numel()
-    xs = x.index_select(0, g.tokens)  # [n, in]
+    xs = g.take(x)  # [n, in]
     bands = g.rank // g.band
     # Each of a token's r/g bags weighs its rows by the same activations.
-    w = xs if bands == 1 else xs.unsqueeze(1).expand(n, bands, xs.shape[1])
+    w = xs.contiguous() if bands == 1 else xs.unsqueeze(1).expand(n, bands, xs.shape[1])
     s = F.embedding_bag(g.shrink_index, pool_rows.view(-1, g.band), g.shrink_offsets, mode="sum",
                         per_sample_weights=w.reshape(-1))  # [n * r/g, g]
     return s.view(n, g.rank) * g.scales
 
 
 def _expand_group(
-    g: _SingleGroup,
+    g: _TokenGroup,
     s: torch.Tensor,  # [n, rank]
     pool_rows: torch.Tensor,  # [R, D]
 ) -> torch.Tensor:  # [n, out]
@@ -166,7 +189,7 @@ def lora_shrink(
     if plan is None:
         return out
     for g in plan.singles:
-        out[g.tokens, : g.rank] = _shrink_group(g, x, pool_rows)
+        out[g.tokens, : g.rank] = _shrink_group(g, x, pool_rows)  # (a [T, max_rank] buffer: no in-place add)
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
         at = _a_t(pool_rows, seg.adapter, layer, module)  # [in, r]
@@ -186,7 +209,7 @@ def lora_expand(
     if plan is None:
         return
     for g in plan.singles:
-        y.index_add_(0, g.tokens, _expand_group(g, s[g.tokens, : g.rank], pool_rows))
+        g.add_to(y, _expand_group(g, g.take(s)[:, : g.rank], pool_rows))
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
         bt = _b_t(pool_rows, seg.adapter, layer, module, slot.rank)  # [r, out]
@@ -209,7 +232,7 @@ def apply_lora(
     if plan is None:
         return
     for g in plan.singles:
-        y.index_add_(0, g.tokens, _expand_group(g, _shrink_group(g, x, pool_rows), pool_rows))
+        g.add_to(y, _expand_group(g, _shrink_group(g, x, pool_rows), pool_rows))
     for seg in plan.multi:
         slot = seg.adapter.slots[(layer, module)]
         at = _a_t(pool_rows, seg.adapter, layer, module)  # [in, r]
@@ -218,13 +241,28 @@ def apply_lora(
         y[rows] += ((x[rows] @ at) * slot.scale) @ bt
 
 
+def _rows(pool_rows: torch.Tensor, adapter, index: torch.Tensor, key: tuple) -> torch.Tensor:
+    """[len(index), D] pool rows of one matrix: a view when they are consecutive (an adapter placed on
+    a run of free pages, the usual case), else a copy gathered through the page table. Which of the two
+    is decided once per residency and cached."""
+    first = adapter.kernel_cache.get(key)
+    if first is None:
+        n = index.numel()
+        consecutive = n > 0 and int(index[-1]) - int(index[0]) == n - 1 and bool(
+            (index[1:] - index[:-1] == 1).all())
+        first = adapter.kernel_cache[key] = int(index[0]) if consecutive else -1
+    if first >= 0:
+        return pool_rows[first : first + index.numel()]
+    return pool_rows.index_select(0, index)
+
+
 def _a_t(pool_rows: torch.Tensor, adapter, layer: int, module: int) -> torch.Tensor:
-    """One adapter's A^T [in, r], gathered through its page table (a segment of several tokens
-    multiplies it by all of them, so the copy is small beside the product)."""
+    """One adapter's A^T [in, r] (a segment of several tokens multiplies it by all of them)."""
     slot = adapter.slots[(layer, module)]
-    return pool_rows.index_select(0, adapter.a_index(layer, module)).view(slot.in_features, slot.rank)
+    rows = _rows(pool_rows, adapter, adapter.a_index(layer, module), ("a_first", layer, module))
+    return rows.view(slot.in_features, slot.rank)
 
 
 def _b_t(pool_rows: torch.Tensor, adapter, layer: int, module: int, rank: int) -> torch.Tensor:
-    """One adapter's B^T [r, out], gathered through its page table."""
-    return pool_rows.index_select(0, adapter.b_index(layer, module)).view(rank, -1)
+    """One adapter's B^T [r, out]."""
+    return _rows(pool_rows, adapter, adapter.b_index(layer, module), ("b_first", layer, module)).view(rank, -1)
