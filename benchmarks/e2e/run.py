@@ -36,7 +36,8 @@ from e2e.online import run_online  # noqa: E402
 from e2e.plot import plot_scaling  # noqa: E402
 from e2e.scaling import ScalingPoint, run_scaling  # noqa: E402
 from e2e.systems import HFContinuousBatching, HFStaticBatches, LoraplexSystem  # noqa: E402
-from e2e.workload import ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
+from e2e.targets import decode_checks, floor_loss, offline_checks, online_checks, print_checks, scaling_checks  # noqa: E402,E501
+from e2e.workload import adapter_rank, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
 
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
         "offline": offline.as_dict(),
     }
     print_mode(offline)
+    loss = floor_loss(offline.runs["loraplex"], offline.runs["loraplex-no-adapters"], requests, cfg, ceilings,
+                      dtype.itemsize)
+    checks = offline_checks(offline.metrics, offline.base_choice, loss)
     if "online" not in args.skip:
         rate = p.online_load * offline.metrics["loraplex"].throughput_rps
         log(f"online: {rate:.3f} req/s ({p.online_load} x loraplex's offline rate), TTFT target "
@@ -201,13 +205,15 @@ def main(argv: list[str] | None = None) -> dict:
                             p.prefix_tokens, log)
         result["online"] = {"rate_rps": rate, **online.as_dict()}
         print_mode(online)
+        checks += online_checks(online.metrics)
     del hf_base, hf_peft, systems
     if "decode" not in args.skip:
         log(f"decode at batch {p.decode_batch}...")
-        ranks = {n: int(n.rsplit("-r", 1)[1]) for n in adapters}
+        ranks = {n: adapter_rank(n) for n in adapters}
         shares = [decode_share(engine, ceilings, [None], ranks, p.decode_batch, steps=p.decode_steps),
                   decode_share(engine, ceilings, list(adapters), ranks, p.decode_batch, steps=p.decode_steps)]
         result["decode"] = [s.as_dict() for s in shares]
+        checks += decode_checks(shares[:1])  # the target is on the decode step itself (no adapters)
         for s in shares:
             print(f"\ndecode B={s.batch} ctx={s.context} adapters {s.adapters}: {s.step_s * 1e3:.1f} ms/step, "
                   f"{s.tokens_per_s:.0f} tok/s, {s.achieved_gflops:.0f} GFLOP/s = "
@@ -224,10 +230,13 @@ def main(argv: list[str] | None = None) -> dict:
                              "pool_bytes": int(p.scaling_pool_mib * MiB),
                              "points": [pt.as_dict() for pt in points]}
         print_scaling(points)
+        checks += scaling_checks(points)
         png = out.with_suffix(".png")
         plot_scaling(points, png, f"loraplex adapter scaling ({preset_name}, {device.type}, {dtype_name}; host "
                                   f"cache {p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB)")
         result["scaling"]["plot"] = str(png)
+    result["targets"] = [c.as_dict() for c in checks]
+    print_checks(checks)
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -39,7 +39,7 @@ import traces as T
 from .ceiling import Ceilings
 from .metrics import summarize
 from .systems import LoraplexSystem, RunResult
-from .workload import BenchRequest, adapter_elements, all_at_once, ensure_adapters, requests_from_trace, \
+from .workload import BenchRequest, adapter_elements, adapter_rank, all_at_once, ensure_adapters, requests_from_trace, \
     used_adapters
 
 TENANT = "bench"
@@ -64,7 +64,7 @@ class FolderStore:
         now = datetime.now(timezone.utc)
         self.refs = {name: AdapterPublic(
             id=str(uuid.uuid5(uuid.NAMESPACE_URL, str(path))), tenant_id=TENANT, name=name, version=1,
-            base_model_fingerprint="", rank=int(name.rsplit("-r", 1)[1]), alpha=0.0,
+            base_model_fingerprint="", rank=adapter_rank(name), alpha=0.0,
             target_modules=TARGET_MODULES, dtype=engine.config.dtype, size_bytes=0, sha256="",
             storage_key=str(path), status="ready", status_detail=None, created_at=now, last_used_at=None)
             for name, path in folders.items()}
@@ -112,8 +112,7 @@ class ScalingPoint:
 
 
 def _adapter_bytes(engine: EngineCore, name: str) -> int:
-    rank = int(name.split("/")[-1].rsplit("-r", 1)[1])
-    return adapter_elements(engine.model_config, rank) * engine.config.torch_dtype.itemsize
+    return adapter_elements(engine.model_config, adapter_rank(name)) * engine.config.torch_dtype.itemsize
 
 
 def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folders: dict[str, Path],
@@ -130,7 +129,7 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
     pool = engine.pager.stats()
     pool_loads = pool.adapter_loads
     step_bytes = sum(_adapter_bytes(engine, a) for step in run.extra["steps_adapters"] for a in step)
-    ranks = {r.id: int(r.adapter.rsplit("-r", 1)[1]) for r in requests if r.adapter}
+    ranks = {r.id: adapter_rank(r.adapter) for r in requests if r.adapter}
     # One pass over an adapter's bytes per host-cache load and per pool load (mean adapter size).
     mean_bytes = (sum(_adapter_bytes(engine, n) for n in folders) / len(folders)) if folders else 0
     load_bytes = int((hc.loads + pool_loads) * mean_bytes)

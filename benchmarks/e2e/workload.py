@@ -72,6 +72,11 @@ def adapter_dir_name(trace_name: str, rank: int) -> str:
     return f"{trace_name}-r{rank}"
 
 
+def adapter_rank(name: str) -> int:
+    """The rank of a benchmark adapter, from its name ("<trace name>-r<rank>", adapter_name)."""
+    return int(name.rsplit("-r", 1)[1])
+
+
 def adapter_elements(cfg: ModelConfig, rank: int, modules: Sequence[str] = TARGET_MODULES) -> int:
     """Weights of one adapter: rank x (in + out) per module per layer."""
     return cfg.num_layers * sum(rank * sum(cfg.module_shape(m)) for m in modules)

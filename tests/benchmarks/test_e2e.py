@@ -126,3 +126,18 @@ def test_flops_per_token_and_at_rate(tiny_model):
     reqs = [BenchRequest(f"r{k}", t, (3,), None, 1, 1.0) for k, t in enumerate([5.0, 5.5, 9.0])]
     scaled = at_rate(reqs, 4.0)
     assert [r.arrival_s for r in scaled] == pytest.approx([0.0, 0.0625, 0.5])  # 2 gaps in 0.5 s; shape kept
+
+
+def test_targets_are_checked_on_the_run_figures(result):
+    targets = {t["name"]: t for t in result["targets"]}
+    m = result["offline"]["metrics"]
+    peft = targets["offline output tok/s, loraplex / transformers+PEFT"]
+    assert peft["measured"] == pytest.approx(m["loraplex"]["throughput_tok_s"] / m["peft-static"]["throughput_tok_s"])
+    assert peft["bound"] == 10.0 and peft["met"] == (peft["measured"] >= 10.0)
+    loss = targets["loss against loraplex without adapters / the floor's predicted loss"]
+    assert loss["bound"] == 1.3 and "predicted" in loss["detail"]
+    assert any(n.startswith("online p99 TTFT") for n in targets)
+    decode = [t for n, t in targets.items() if n.startswith("decode B=")]
+    assert len(decode) == 1 and decode[0]["measured"] == pytest.approx(result["decode"][0]["share_of_compute_ceiling"])
+    for t in targets.values():
+        assert t["met"] == (t["measured"] >= t["bound"] if t["at_least"] else t["measured"] <= t["bound"])

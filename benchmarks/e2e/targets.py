@@ -1,0 +1,108 @@
+"""The issue's targets, checked against the figures of one run: each a TargetCheck (measured, bound, met).
+
+- loraplex >= 10x the output throughput of transformers + PEFT, at equal or better p99 TTFT (offline and
+  online);
+- offline, loraplex with its adapters >= 100% of the better transformers base-model-only system (c);
+- loraplex's loss against its own no-adapter run <= 1.3x the loss the floor predicts: the extra time is
+  the adapter bytes the steps read (each step reads the distinct adapters it serves) over the measured read
+  bandwidth plus the LoRA FLOPs (2 x rank x (in + out) per token, module and layer) over the measured
+  matmul rate, added to the no-adapter run's time;
+- adapter scaling: the loss from 1 to 100 and to 1,000 adapters <= 1.3x the floor's (scaling.py);
+- decode at batch 64 >= 60% of the measured compute ceiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from loraplex.models.config import ModelConfig
+
+from .ceiling import Ceilings, DecodeShare
+from .metrics import Metrics
+from .scaling import ScalingPoint
+from .systems import RunResult
+from .workload import BenchRequest, adapter_elements, adapter_rank
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    name: str
+    measured: float
+    bound: float
+    at_least: bool  # met when measured >= bound (else when measured <= bound)
+    detail: str = ""
+
+    @property
+    def met(self) -> bool:
+        return self.measured >= self.bound if self.at_least else self.measured <= self.bound
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "met": self.met}
+
+
+@dataclass(frozen=True)
+class FloorLoss:
+    extra_bytes: int  # adapter bytes read over the run (each step: its distinct adapters)
+    extra_flops: float  # LoRA FLOPs of every token that went through an adapter
+    extra_s: float
+    predicted_loss: float  # 1 - t_without / (t_without + extra_s)
+    measured_loss: float  # 1 - throughput_with / throughput_without
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_loss / self.predicted_loss if self.predicted_loss > 1e-9 else float("inf")
+
+
+def floor_loss(with_adapters: RunResult, without: RunResult, requests: Sequence[BenchRequest], cfg: ModelConfig,
+               ceilings: Ceilings, itemsize: int) -> FloorLoss:
+    """What the floor predicts the adapters cost over the no-adapter run of the same requests."""
+    nbytes = sum(adapter_elements(cfg, adapter_rank(a)) * itemsize
+                 for step in with_adapters.extra["steps_adapters"] for a in step)
+    flops = sum(2.0 * (len(r.prompt) + r.output_tokens) * adapter_elements(cfg, adapter_rank(r.adapter))
+                for r in requests if r.adapter)
+    extra_s = nbytes / (ceilings.read_gbps * 1e9) + flops / (ceilings.matmul_gflops * 1e9)
+    t0, t1 = without.wall_s, with_adapters.wall_s
+    return FloorLoss(nbytes, flops, extra_s, 1.0 - t0 / (t0 + extra_s), 1.0 - t0 / t1)
+
+
+def offline_checks(metrics: dict[str, Metrics], base_choice: str, loss: FloorLoss) -> list[TargetCheck]:
+    ours, peft, base = metrics["loraplex"], metrics["peft-static"], metrics[base_choice]
+    return [
+        TargetCheck("offline output tok/s, loraplex / transformers+PEFT", ours.throughput_tok_s / peft.throughput_tok_s,
+                    10.0, True),
+        TargetCheck("offline p99 TTFT s, loraplex (bound: transformers+PEFT's)", ours.ttft_p99_s, peft.ttft_p99_s,
+                    False),
+        TargetCheck(f"offline output tok/s, loraplex with adapters / {base_choice} (base model only)",
+                    ours.throughput_tok_s / base.throughput_tok_s, 1.0, True),
+        TargetCheck("loss against loraplex without adapters / the floor's predicted loss", loss.ratio, 1.3, False,
+                    f"measured {loss.measured_loss:.3f}, predicted {loss.predicted_loss:.3f} "
+                    f"({loss.extra_bytes / 1e9:.2f} GB read, {loss.extra_flops / 1e9:.1f} GFLOP)"),
+    ]
+
+
+def online_checks(metrics: dict[str, Metrics]) -> list[TargetCheck]:
+    ours, peft = metrics["loraplex"], metrics["peft-static"]
+    return [TargetCheck("online p99 TTFT s, loraplex (bound: transformers+PEFT's)", ours.ttft_p99_s,
+                        peft.ttft_p99_s, False)]
+
+
+def scaling_checks(points: Sequence[ScalingPoint]) -> list[TargetCheck]:
+    return [TargetCheck(f"scaling 1 -> {p.adapters} adapters: loss / the floor's predicted loss",
+                        p.loss_ratio if p.loss_ratio is not None else float("inf"), 1.3, False,
+                        f"measured {p.measured_loss:.3f}, predicted {p.predicted_loss:.3f}, "
+                        f"{p.distinct_used} adapters used")
+            for p in points if p.adapters >= 100]
+
+
+def decode_checks(shares: Sequence[DecodeShare]) -> list[TargetCheck]:
+    return [TargetCheck(f"decode B={s.batch} ({s.adapters}) share of the compute ceiling",
+                        s.share_of_compute_ceiling, 0.6, True) for s in shares]
+
+
+def print_checks(checks: Sequence[TargetCheck]) -> None:
+    print("\n| target | measured | bound | met |\n|---|---|---|---|")
+    for c in checks:
+        rel = ">=" if c.at_least else "<="
+        detail = f" ({c.detail})" if c.detail else ""
+        print(f"| {c.name}{detail} | {c.measured:.3f} | {rel} {c.bound:.3f} | {'yes' if c.met else 'no'} |")
