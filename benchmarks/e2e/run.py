@@ -71,7 +71,8 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset(8, 16, 48, 6, 12, 4, 4, 0.5, 2.0, (1, 4, 16), 8, 64, 512, 256, 8, 2, True, 8, 6),
-    "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.5, 2.0, (1, 10, 100, 1000), 64, 160, 2048, 1024, 64, 3, True),
+    # online_load 0.7: the online runs last as long as their arrivals (48 / rate), which keeps quick under 10 min
+    "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.7, 2.0, (1, 10, 100, 1000), 64, 160, 2048, 1024, 64, 3, True),
     "full": Preset(192, 128, 1024, 64, 256, 100, 32, 0.5, 2.0, (1, 10, 100, 1000), 512, 320, 3072, 1024, 64, 6,
                    True, 32, 32),
 }
