@@ -249,8 +249,7 @@ def _rows(pool_rows: torch.Tensor, adapter, index: torch.Tensor, key: tuple) -> 
     first = adapter.kernel_cache.get(key)
     if first is None:
         n = index.numel()
-        consecutive = n > 0 and int(index[-1]) - int(index[0]) == n - 1 and bool(
-            (index[1:] - index[:-1] == 1).all())
+        consecutive = n > 0 and bool((index[1:] - index[:-1] == 1).all())
         first = adapter.kernel_cache[key] = int(index[0]) if consecutive else -1
     if first >= 0:
         return pool_rows[first : first + index.numel()]

@@ -275,13 +275,11 @@ class Simulator:
     def _postprocess(self, out: SchedulerOutput) -> None:
         """EngineCore._postprocess without a model: the same token accounting (VTC charges, prompt tokens
         charged once across recomputes), a token whenever a request has caught up, finish at max_tokens.
-        Kept as a mirror rather than a shared hook so that the engine's hot path stays as it is."""
+        The token accounting is Request.advance, shared with the engine; the rest is a mirror rather than a
+        shared hook so that the engine's hot path stays as it is."""
         for chunk in out.chunks:
             req = chunk.request
-            req.num_computed_tokens += chunk.num_new_tokens
-            prompt_done = min(req.num_computed_tokens, len(req.prompt_token_ids))
-            new_prompt = max(0, prompt_done - req.prompt_tokens_charged)
-            req.prompt_tokens_charged += new_prompt
+            new_prompt = req.advance(chunk.num_new_tokens)
             sampled = req.num_computed_tokens == req.num_tokens  # the runner samples once a request caught up
             self.scheduler.account(req, new_prompt, 1 if sampled else 0)
             if not sampled:

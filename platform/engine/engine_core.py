@@ -209,10 +209,7 @@ class EngineCore:
         outs: list[RequestOutput] = []
         for chunk in sched.chunks:
             req = chunk.request
-            req.num_computed_tokens += chunk.num_new_tokens
-            prompt_done = min(req.num_computed_tokens, len(req.prompt_token_ids))
-            new_prompt = max(0, prompt_done - req.prompt_tokens_charged)
-            req.prompt_tokens_charged += new_prompt
+            new_prompt = req.advance(chunk.num_new_tokens)
             span = result.logits.get(req.request_id)
             if span is not None:
                 first, rows = span

@@ -56,6 +56,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def advance(self, num_new_tokens: int) -> int:
+        """Count a scheduled chunk as computed; returns the prompt tokens it computed for the first time (a
+        recompute after preemption is not charged again to the tenant's service)."""
+        self.num_computed_tokens += num_new_tokens
+        prompt_done = min(self.num_computed_tokens, len(self.prompt_token_ids))
+        new_prompt = max(0, prompt_done - self.prompt_tokens_charged)
+        self.prompt_tokens_charged += new_prompt
+        return new_prompt
+
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
         p = len(self.prompt_token_ids)
         if stop <= p:
