@@ -1,7 +1,8 @@
-"""One dispatcher for every kernel the model calls: the torch path or the Triton path.
+"""One dispatcher for every kernel the model calls: the torch path, the C++ CPU path or the Triton path.
 
 The choice is made once, when the engine starts, from the engine config (which reads
-LORAPLEX_KERNELS), never per call: "auto" takes Triton for CUDA tensors and torch otherwise.
+LORAPLEX_KERNELS), never per call: "auto" takes Triton for CUDA tensors, and on the CPU the C++
+kernels where they build on this machine (cpu_build.py), the torch path otherwise.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch
 
 from loraplex.errors import ConfigError
 
-from . import torch_attention, torch_sgmv
+from . import cpu_sgmv, torch_attention, torch_sgmv
+from .cpu_build import build_error
 
-KERNEL_CHOICES = ("auto", "torch", "triton")
+KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,22 @@ TORCH_OPS = KernelOps(
     apply_lora=torch_sgmv.apply_lora,
 )
 
+# The C++ kernels replace what measured faster in C++ on the CPU; the rest is the torch path's (the
+# shrink and expand halves are only called by tests and the Triton path's own fused calls).
+CPU_OPS = KernelOps(
+    name="cpu",
+    write_kv=torch_attention.write_kv,
+    paged_attention=torch_attention.paged_attention,
+    lora_shrink=torch_sgmv.lora_shrink,
+    lora_expand=torch_sgmv.lora_expand,
+    apply_lora=cpu_sgmv.apply_lora,
+)
+
+
+def _cpu_ops() -> KernelOps | None:
+    """The C++ CPU kernel set, or None where it does not build here (the reason is logged once)."""
+    return CPU_OPS if cpu_sgmv.available() else None
+
 
 def _triton_ops() -> KernelOps | None:
     """The Triton kernel set, or None where Triton or its kernels are not available."""
@@ -54,9 +72,17 @@ def select_kernels(device: torch.device, choice: str = "auto") -> KernelOps:
         raise ConfigError(f"kernel backend {choice!r} is not one of {', '.join(KERNEL_CHOICES)}")
     if choice == "torch":
         return TORCH_OPS
+    if choice == "cpu":
+        cpu = _cpu_ops()
+        if cpu is None:
+            raise ConfigError(f"kernel backend 'cpu' was asked for but the C++ CPU kernels did not build: "
+                              f"{build_error('cpu_sgmv')}")
+        return cpu
     triton = _triton_ops()
     if choice == "triton":
         if triton is None:
             raise ConfigError("kernel backend 'triton' was asked for but the Triton kernels are not available")
         return triton
-    return triton if (triton is not None and device.type == "cuda") else TORCH_OPS
+    if device.type == "cuda":
+        return triton if triton is not None else TORCH_OPS
+    return (_cpu_ops() or TORCH_OPS) if device.type == "cpu" else TORCH_OPS

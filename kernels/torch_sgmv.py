@@ -233,7 +233,19 @@ def apply_lora(
         return
     for g in plan.singles:
         g.add_to(y, _expand_group(g, _shrink_group(g, x, pool_rows), pool_rows))
-    for seg in plan.multi:
+    apply_segments(y, x, pool_rows, plan.multi, layer, module)
+
+
+def apply_segments(
+    y: torch.Tensor,  # [T, out]
+    x: torch.Tensor,  # [T, in]
+    pool_rows: torch.Tensor,  # [R, D]
+    segments: tuple[LoraSegment, ...],  # each of several tokens, its adapter carrying (layer, module)
+    layer: int,
+    module: int,
+) -> None:
+    """y[seg] += scale * (x[seg] @ A^T) @ B^T, one GEMM pair per segment (long segments: BLAS speed)."""
+    for seg in segments:
         slot = seg.adapter.slots[(layer, module)]
         at = _a_t(pool_rows, seg.adapter, layer, module)  # [in, r]
         bt = _b_t(pool_rows, seg.adapter, layer, module, slot.rank)  # [r, out]

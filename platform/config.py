@@ -34,7 +34,7 @@ class EngineConfig:
     max_lora_rank: int = 256
     block_size: int = 16  # tokens per KV block (one pool page per layer per block)
     max_model_len: int | None = None  # None: the model's own limit
-    kernels: str = "auto"  # "auto" | "torch" | "triton"; LORAPLEX_KERNELS sets it in from_env
+    kernels: str = "auto"  # "auto" | "torch" | "cpu" | "triton"; LORAPLEX_KERNELS sets it in from_env
     queue_policy: str = "fcfs"  # order of waiting requests: "fcfs" | "lifo" | "vtc" (fair across tenants)
     cache_dir: Path = field(default_factory=default_cache_dir)
 

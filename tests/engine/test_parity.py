@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from loraplex.engine import LLM, SamplingParams
+from loraplex.kernels import cpu_sgmv
+from loraplex.kernels.cpu_build import build_error
 from loraplex.models import llama
 from parity_setup import build_case, rel_err
 
@@ -18,7 +22,8 @@ def case(request, tmp_path_factory):
 
 
 def make_llm(case, **kw) -> LLM:
-    llm = LLM(str(case.model_dir), dtype="float32", device="cpu", max_lora_rank=64, kernels="torch", **kw)
+    kw.setdefault("kernels", "torch")
+    llm = LLM(str(case.model_dir), dtype="float32", device="cpu", max_lora_rank=64, **kw)
     for name, d in case.adapter_dirs.items():
         llm.load_adapter(name, d)
     return llm
@@ -44,8 +49,13 @@ def params(case):
     return SamplingParams(max_tokens=case.max_new, temperature=0.0, ignore_eos=True, return_logits=True)
 
 
-def test_mixed_batch_matches_peft(case):
-    llm = make_llm(case)
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_mixed_batch_matches_peft(case, kernels):
+    # "cpu": the C++ kernels that "auto" takes on the CPU where they build (CI builds them).
+    if kernels == "cpu" and not cpu_sgmv.available() and not os.environ.get("CI"):
+        pytest.skip(f"the C++ CPU kernels did not build: {build_error('cpu_sgmv')}")
+    llm = make_llm(case, kernels=kernels)
+    assert llm.engine.ops.name == kernels
     outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
     check_outputs(case, outs)
     llm.engine.pager.check_integrity()

@@ -11,7 +11,8 @@ import textwrap
 
 import torch
 from loraplex.kernels import select_kernels
-from loraplex.kernels.dispatch import TORCH_OPS
+from loraplex.kernels import cpu_sgmv
+from loraplex.kernels.dispatch import CPU_OPS, TORCH_OPS
 
 OPS = ("write_kv", "paged_attention", "lora_shrink", "lora_expand", "apply_lora")
 
@@ -19,7 +20,7 @@ OPS = ("write_kv", "paged_attention", "lora_shrink", "lora_expand", "apply_lora"
 def test_triton_is_selected_when_asked_and_matches_torch_signatures():
     triton_ops = select_kernels(torch.device("cpu"), "triton")
     assert triton_ops.name == "triton"
-    assert select_kernels(torch.device("cpu"), "auto") is TORCH_OPS
+    assert select_kernels(torch.device("cpu"), "auto") is (CPU_OPS if cpu_sgmv.available() else TORCH_OPS)
     for op in OPS:
         ours = inspect.signature(getattr(triton_ops, op)).parameters
         theirs = inspect.signature(getattr(TORCH_OPS, op)).parameters

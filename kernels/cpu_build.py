@@ -1,0 +1,74 @@
+"""Builds the C++ CPU kernels (cpu_*.cpp beside this file) on first use, once per machine.
+
+Why C++ on the CPU: the torch path has to express "each token's adapter" and "each sequence's
+pages" with a handful of torch ops per segment, rank group or sequence, and on this CPU those ops'
+fixed costs (3-10 us each, hundreds per layer) and the copies they need (a gather of every K/V
+block before attention) cost more than the arithmetic. One C++ loop per (layer, module) reads the
+pool in place, as the Triton kernels do on a GPU.
+
+torch.utils.cpp_extension compiles each source with the compiler that built nothing else here
+(g++ from the system) into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) and reuses
+the build while the source is unchanged: the first engine start on a machine pays about a minute.
+A machine without a compiler (or where the build fails) gets None and the torch path, with the
+reason logged once: the kernels are a speed-up, never a requirement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+# -march=native: the build happens on the machine that runs it (and is cached per machine), so it
+# may use every vector unit there (AVX-512 on the dev machine). OpenMP backs at::parallel_for.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast"]
+LDFLAGS = ["-fopenmp"]
+DISABLE_ENV = "LORAPLEX_CPU_KERNELS"  # "0": never build, use the torch path
+
+_lock = threading.Lock()
+_built: dict[str, ModuleType | None] = {}
+_errors: dict[str, str] = {}
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def load_extension(stem: str) -> ModuleType | None:
+    """The compiled module of kernels/<stem>.cpp, or None where it cannot be built (see build_error)."""
+    with _lock:
+        if stem in _built:
+            return _built[stem]
+        mod = None
+        if disabled():
+            _errors[stem] = f"{DISABLE_ENV}=0"
+        else:
+            try:
+                mod = _compile(stem)
+            except Exception as e:  # a missing compiler, ninja, headers: the torch path still works
+                _errors[stem] = f"{type(e).__name__}: {e}".strip()[:2000]
+                log.warning("C++ CPU kernel %s could not be built, using the torch path: %s", stem, _errors[stem])
+        _built[stem] = mod
+        return mod
+
+
+def build_error(stem: str) -> str | None:
+    """Why load_extension(stem) returned None (None if it was not tried or succeeded)."""
+    return _errors.get(stem)
+
+
+def _compile(stem: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    src = Path(__file__).with_name(f"{stem}.cpp")
+    # The name carries the source's hash: a changed kernel never loads a stale build, and two
+    # checkouts with different sources do not rebuild each other's.
+    digest = hashlib.sha256(src.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    name = f"loraplex_{stem}_{digest}"
+    return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                              verbose=False)

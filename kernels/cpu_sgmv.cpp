@@ -1,0 +1,260 @@
+// SGMV on the CPU: y[seg] += scale_a * (x[seg] @ A_a^T) @ B_a^T for every segment of one
+// (layer, module), reading A^T [in, r] and B^T [r, out] in place from the unified pool through
+// each segment's page table. One call per (layer, module) for the whole batch: the torch path
+// needed several ops per segment or rank group there, and their fixed costs dominated.
+//
+// Pool addressing (unified_pager): the pool is [num_pages * rows_per_page, D] float32 rows; an
+// adapter's logical row l lives in page pages[l / rows_per_page] at row l % rows_per_page. A
+// matrix is stored flattened (row-major) from its first logical row on, so a run of elements is
+// contiguous in memory up to the next page boundary.
+//
+// Work items are (segment, block of up to TB tokens): a decode batch of distinct adapters spreads
+// one item per adapter over the threads; a long prefill segment spreads its token blocks (each
+// re-reads the adapter's matrices, from cache after the first).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int TB = 8;        // tokens per work item: a row of A^T or a chunk of B^T is loaded once for TB tokens
+constexpr int MAX_RANK = 256;
+
+struct Pages {
+  const float* pool;
+  const int32_t* table;  // this segment's page table
+  int64_t page_elems;    // rows_per_page * D
+
+  // Pointer to logical element `e` of the adapter (elements counted from its first row) and how
+  // many elements follow it contiguously before the page ends.
+  inline const float* at(int64_t e, int64_t* run) const {
+    int64_t page = e / page_elems, off = e - page * page_elems;
+    *run = page_elems - off;
+    return pool + static_cast<int64_t>(table[page]) * page_elems + off;
+  }
+
+  // n contiguous logical elements from e: a pointer into the pool when they lie in one page,
+  // else copied into buf (a run crossing a page boundary).
+  inline const float* span(int64_t e, int64_t n, float* buf) const {
+    int64_t run;
+    const float* p = at(e, &run);
+    if (run >= n) return p;
+    int64_t done = 0;
+    while (done < n) {
+      int64_t take = std::min(run, n - done);
+      std::memcpy(buf + done, p, take * sizeof(float));
+      done += take;
+      if (done < n) p = at(e + done, &run);
+    }
+    return buf;
+  }
+};
+
+// Walks a matrix's elements in order, n at a time, with one division per page instead of per step.
+struct Cursor {
+  const Pages& pg;
+  int64_t e, end;  // next element, one past the matrix
+  const float* p = nullptr;
+  int64_t left = 0;  // elements from p to the end of its page
+  Cursor(const Pages& pages, int64_t first, int64_t count) : pg(pages), e(first), end(first + count) {
+    if (e < end) p = pg.at(e, &left);
+  }
+  inline const float* next(int64_t n, float* buf) {
+    if (left >= n) {
+      const float* r = p;
+      p += n, left -= n, e += n;
+      return r;
+    }
+    const float* r = pg.span(e, n, buf);  // crosses a page boundary: copied
+    e += n;
+    if (e < end) p = pg.at(e, &left);
+    return r;
+  }
+};
+
+// Shrink of nt tokens: s[t][:rank] = scale * x_t @ A^T, one row of A^T read for all tokens.
+// R > 0: the rank is a compile-time constant, so the accumulators stay in vector registers.
+template <int R, int NT>
+inline void shrink(float (*__restrict s)[MAX_RANK], const float* __restrict x, int64_t x_stride, int nt,
+                   const Pages& pg, int64_t a_elem, int rank, int64_t in, float scale) {
+  float buf[MAX_RANK];  // a row of A^T that crosses a page boundary
+  if constexpr (R > 0) {
+    float acc[NT][R] = {};
+    Cursor cur(pg, a_elem, in * R);
+    for (int64_t i = 0; i < in; ++i) {
+      const float* __restrict a = cur.next(R, buf);
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) {
+        const float xv = x[t * x_stride + i];
+#pragma omp simd
+        for (int j = 0; j < R; ++j) acc[t][j] += xv * a[j];
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int j = 0; j < R; ++j) s[t][j] = acc[t][j] * scale;
+  } else {
+    for (int t = 0; t < nt; ++t) std::fill(s[t], s[t] + rank, 0.f);
+    Cursor cur(pg, a_elem, in * rank);
+    for (int64_t i = 0; i < in; ++i) {
+      const float* __restrict a = cur.next(rank, buf);
+      for (int t = 0; t < nt; ++t) {
+        const float xv = x[t * x_stride + i];
+        float* __restrict st = s[t];
+#pragma omp simd
+        for (int j = 0; j < rank; ++j) st[j] += xv * a[j];
+      }
+    }
+    for (int t = 0; t < nt; ++t)
+      for (int j = 0; j < rank; ++j) s[t][j] *= scale;
+  }
+}
+
+// Expand of nt tokens: y_t += s_t @ B^T, W columns at a time (acc_t = sum_k s_t[k] * B^T[k, cols],
+// then one add into y). D divides out and B^T starts on a row, so W columns within a D-wide row
+// never cross a page. NT > 0: the token count is a compile-time constant (registers again).
+constexpr int W = 64;
+template <int NT>
+inline void expand(float* __restrict y, int64_t y_stride, const float (*__restrict s)[MAX_RANK], int nt,
+                   const float* const* rows, int rank, int64_t out, int64_t d) {
+  // rows[j]: pool row j of B^T (rank * out / d of them, d elements each, contiguous)
+  const int n = NT > 0 ? NT : nt;
+  const int64_t rows_per_k = out / d;
+  for (int64_t c0 = 0; c0 < out; c0 += d) {
+    for (int64_t c = c0; c < c0 + d; c += W) {
+      const int64_t w = std::min<int64_t>(W, c0 + d - c);
+      float acc[NT > 0 ? NT : TB][W] = {};
+      for (int k = 0; k < rank; ++k) {
+        const float* __restrict b = rows[k * rows_per_k + c0 / d] + (c - c0);
+        if (w == W) {
+#pragma GCC unroll 8
+          for (int t = 0; t < n; ++t) {
+            const float sv = s[t][k];
+#pragma omp simd
+            for (int q = 0; q < W; ++q) acc[t][q] += sv * b[q];
+          }
+        } else {
+          for (int t = 0; t < n; ++t)
+            for (int64_t q = 0; q < w; ++q) acc[t][q] += s[t][k] * b[q];
+        }
+      }
+      for (int t = 0; t < n; ++t) {
+        float* __restrict yt = y + t * y_stride + c;
+#pragma omp simd
+        for (int64_t q = 0; q < w; ++q) yt[q] += acc[t][q];
+      }
+    }
+  }
+}
+
+template <int R>
+void shrink_block(float (*s)[MAX_RANK], const float* x, int64_t xs, int nt, const Pages& pg, int64_t a, int rank,
+                  int64_t in, float scale) {
+  // Full blocks of TB tokens and lone tokens (decode) have fixed-size kernels; other counts the generic one.
+  if (nt == TB) shrink<R, TB>(s, x, xs, nt, pg, a, rank, in, scale);
+  else if (nt == 1) shrink<R, 1>(s, x, xs, nt, pg, a, rank, in, scale);
+  else shrink<0, 0>(s, x, xs, nt, pg, a, rank, in, scale);
+}
+
+// y[t0:t0+nt, :out] += scale * (x[t0:t0+nt] @ A^T) @ B^T for one adapter.
+void apply_block(float* __restrict y, int64_t y_stride, const float* __restrict x, int64_t x_stride, int nt,
+                 const Pages& pg, int64_t a_elem, int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d,
+                 float scale) {
+  alignas(64) float s[TB][MAX_RANK];
+  switch (rank) {
+    case 8: shrink_block<8>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
+    case 16: shrink_block<16>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
+    case 32: shrink_block<32>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
+    default: shrink<0, 0>(s, x, x_stride, nt, pg, a_elem, rank, in, scale);
+  }
+  // B^T's pool rows, found once for the block (one division per page crossed, not per chunk).
+  const int64_t nrows = rank * out / d;
+  std::vector<const float*> rows(nrows);
+  {
+    int64_t run;
+    const float* p = pg.at(b_elem, &run);
+    for (int64_t j = 0; j < nrows; ++j) {
+      if (run < d) p = pg.at(b_elem + j * d, &run);
+      rows[j] = p;
+      p += d, run -= d;
+    }
+  }
+  // 4 tokens x 64 columns of accumulators: 16 of the 32 AVX-512 registers (8 tokens would spill).
+  if (nt == TB) {
+    expand<TB / 2>(y, y_stride, s, TB / 2, rows.data(), rank, out, d);
+    expand<TB / 2>(y + (TB / 2) * y_stride, y_stride, s + TB / 2, TB / 2, rows.data(), rank, out, d);
+  }
+  else if (nt == 1) expand<1>(y, y_stride, s, nt, rows.data(), rank, out, d);
+  else expand<0>(y, y_stride, s, nt, rows.data(), rank, out, d);
+}
+
+}  // namespace
+
+// Segments longer than max_len are left to the caller (a BLAS GEMM multiplies them faster than
+// these loops once a segment has many tokens).
+// y [T, out] (rows may be strided, columns contiguous: a column slice of a fused projection) is
+// updated in place; x [T, in]; pool_rows [R, D] contiguous float32; seg_start/seg_len [S] int32;
+// layout [S, L, 7, 3] int32 (rank, a_row, b_row: logical rows); scales [S, L, 7] float32;
+// pages [S, P] int32 (each segment's page table, padded).
+void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
+                torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
+                int64_t rows_per_page, int64_t layer, int64_t module, int64_t max_len) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && pool_rows.scalar_type() == at::kFloat,
+              "cpu_sgmv.apply_lora takes float32 tensors");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y [T, out] and x [T, in] expected");
+  TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "y and x need contiguous columns");
+  TORCH_CHECK(pool_rows.is_contiguous() && pool_rows.dim() == 2, "pool_rows must be a contiguous [R, D] tensor");
+  TORCH_CHECK(layout.is_contiguous() && scales.is_contiguous() && pages.is_contiguous() &&
+                  seg_start.is_contiguous() && seg_len.is_contiguous(),
+              "segment tables must be contiguous");
+  TORCH_CHECK(layout.scalar_type() == at::kInt && pages.scalar_type() == at::kInt &&
+                  seg_start.scalar_type() == at::kInt && seg_len.scalar_type() == at::kInt &&
+                  scales.scalar_type() == at::kFloat,
+              "segment tables: int32 (layout, pages, starts, lengths) and float32 (scales)");
+  const int64_t num_segs = seg_start.size(0);
+  const int64_t num_layers = layout.size(1), num_modules = layout.size(2);
+  TORCH_CHECK(layer >= 0 && layer < num_layers && module >= 0 && module < num_modules, "layer/module out of range");
+  const int64_t d = pool_rows.size(1), in = x.size(1), out = y.size(1), T = y.size(0);
+  TORCH_CHECK(out % d == 0, "out features must be a multiple of the pool row width");
+  const int64_t page_elems = rows_per_page * d;
+  const int32_t* st = seg_start.data_ptr<int32_t>();
+  const int32_t* ln = seg_len.data_ptr<int32_t>();
+  const int32_t* lay = layout.data_ptr<int32_t>();
+  const float* sc = scales.data_ptr<float>();
+  const int32_t* pg = pages.data_ptr<int32_t>();
+  const int64_t max_pages = pages.size(1);
+
+  struct Item { int64_t seg; int64_t t0; int nt; };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_segs; ++s) {
+    const int32_t* l = lay + ((s * num_layers + layer) * num_modules + module) * 3;
+    if (l[0] == 0 || ln[s] == 0 || ln[s] > max_len) continue;  // longer segments: the caller's GEMMs
+    TORCH_CHECK(l[0] <= MAX_RANK, "rank above ", MAX_RANK);
+    TORCH_CHECK(st[s] >= 0 && st[s] + ln[s] <= T, "segment outside the batch");
+    for (int64_t t = st[s]; t < st[s] + ln[s]; t += TB)
+      items.push_back({s, t, static_cast<int>(std::min<int64_t>(TB, st[s] + ln[s] - t))});
+  }
+  if (items.empty()) return;
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* pool = pool_rows.data_ptr<float>();
+  const int64_t ys = y.stride(0), xs = x.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      const Item& it = items[n];
+      const int32_t* l = lay + ((it.seg * num_layers + layer) * num_modules + module) * 3;
+      const float scale = sc[(it.seg * num_layers + layer) * num_modules + module];
+      Pages p{pool, pg + it.seg * max_pages, page_elems};
+      apply_block(yp + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
+                  static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("apply_lora", &apply_lora, "SGMV shrink + expand of one (layer, module), pool read in place");
+}

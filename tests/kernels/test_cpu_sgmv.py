@@ -1,0 +1,68 @@
+"""The C++ CPU SGMV kernel (kernels/cpu_sgmv.cpp) against float64, on the torch tests' scenarios.
+
+Pools are NaN-poisoned outside the adapters' rows and pages are scattered, so a read through a
+wrong page or past a matrix shows up as NaN. Where the kernel cannot be built the tests skip with
+the build error, except under CI, where the build is part of what is tested.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from kernel_testkit import rel_err
+from loraplex.kernels import cpu_sgmv
+from loraplex.kernels.cpu_build import build_error
+from sgmv_testkit import build_sgmv_case, sgmv_specs, touched_tokens
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not cpu_sgmv.available():
+        msg = f"the C++ SGMV kernel did not build: {build_error('cpu_sgmv')}"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def _check(spec, dtype=torch.float32, tol=1e-5, column_slice=False):
+    case = build_sgmv_case(spec, dtype, device=torch.device("cpu"))
+    rows, lora, layer, module = case.pool.rows(), case.lora, spec.layer, spec.module
+    ref = case.y0.double() + case.delta_ref
+    touched = touched_tokens(case, layer, module)
+    if column_slice:  # y as the model passes it: columns of a wider fused projection output
+        wide = torch.randn(case.y0.shape[0], case.y0.shape[1] + 2 * spec.d, dtype=dtype)
+        y = wide[:, spec.d : spec.d + case.y0.shape[1]]
+        y.copy_(case.y0)
+        left, right = wide[:, : spec.d].clone(), wide[:, spec.d + case.y0.shape[1] :].clone()
+    else:
+        y = case.y0.clone()
+    cpu_sgmv.apply_lora(y, case.x, rows, lora, layer, module)
+    assert rel_err(y, ref) < tol
+    assert torch.equal(y[~touched], case.y0[~touched])
+    if column_slice:
+        assert torch.equal(wide[:, : spec.d], left) and torch.equal(wide[:, spec.d + case.y0.shape[1] :], right)
+
+
+@FAST
+@given(spec=sgmv_specs())
+def test_cpu_sgmv_matches_float64(spec):
+    _check(spec)
+
+
+@FAST
+@given(spec=sgmv_specs(max_requests=4, max_len=70))
+def test_cpu_sgmv_long_segments_into_column_slices(spec):
+    # Segments of many token blocks (the kernel works in blocks of 8 tokens) written into a column
+    # slice of a wider output, as the fused q/k/v and gate/up projections are.
+    _check(spec, column_slice=True)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=sgmv_specs())
+def test_float16_goes_to_the_torch_path_and_still_matches(spec):
+    _check(spec, dtype=torch.float16, tol=1e-2)

@@ -1,0 +1,50 @@
+"""The C++ CPU kernel set behind the dispatcher: chosen by "auto" on the CPU where it builds, asked
+for by name, and refused with the reason (the torch path taken by "auto") where it cannot build."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from loraplex.kernels import cpu_sgmv, select_kernels
+from loraplex.kernels.dispatch import CPU_OPS, TORCH_OPS
+
+OPS = ("write_kv", "paged_attention", "lora_shrink", "lora_expand", "apply_lora")
+
+
+def test_cpu_kernels_are_chosen_on_the_cpu_and_keep_the_torch_signatures():
+    if not cpu_sgmv.available():
+        if os.environ.get("CI"):
+            pytest.fail("the C++ CPU kernels did not build")
+        pytest.skip("the C++ CPU kernels did not build here")
+    assert select_kernels(torch.device("cpu"), "cpu") is CPU_OPS
+    assert select_kernels(torch.device("cpu"), "auto") is CPU_OPS
+    assert select_kernels(torch.device("cpu"), "torch") is TORCH_OPS
+    for op in OPS:
+        assert list(inspect.signature(getattr(CPU_OPS, op)).parameters) == list(
+            inspect.signature(getattr(TORCH_OPS, op)).parameters), op
+
+
+def test_disabled_cpu_kernels_fall_back_to_torch_and_refuse_by_name():
+    code = textwrap.dedent("""
+        import torch
+        from loraplex.errors import ConfigError
+        from loraplex.kernels import select_kernels
+        assert select_kernels(torch.device("cpu"), "auto").name == "torch"
+        try:
+            select_kernels(torch.device("cpu"), "cpu")
+        except ConfigError as e:
+            assert "LORAPLEX_CPU_KERNELS=0" in str(e), e
+        else:
+            raise AssertionError("'cpu' was granted with the kernels disabled")
+        print("ok")
+    """)
+    env = {**os.environ, "LORAPLEX_CPU_KERNELS": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
