@@ -14,7 +14,7 @@ import torch
 
 from loraplex.errors import ConfigError
 
-from . import cpu_sgmv, torch_attention, torch_sgmv
+from . import cpu_attention, cpu_sgmv, torch_attention, torch_sgmv
 from .cpu_build import build_error
 
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
@@ -46,7 +46,7 @@ TORCH_OPS = KernelOps(
 CPU_OPS = KernelOps(
     name="cpu",
     write_kv=torch_attention.write_kv,
-    paged_attention=torch_attention.paged_attention,
+    paged_attention=cpu_attention.paged_attention,
     lora_shrink=torch_sgmv.lora_shrink,
     lora_expand=torch_sgmv.lora_expand,
     apply_lora=cpu_sgmv.apply_lora,
@@ -54,8 +54,13 @@ CPU_OPS = KernelOps(
 
 
 def _cpu_ops() -> KernelOps | None:
-    """The C++ CPU kernel set, or None where it does not build here (the reason is logged once)."""
-    return CPU_OPS if cpu_sgmv.available() else None
+    """The C++ CPU kernel set, or None where it does not build here (the reason is logged once).
+    Both kernels are built (or loaded from the cache) here, when the engine starts, not in its first step;
+    where only the attention kernel fails, its wrapper hands each call to the torch path."""
+    if not cpu_sgmv.available():
+        return None
+    cpu_attention.extension()
+    return CPU_OPS
 
 
 def _triton_ops() -> KernelOps | None:

@@ -65,7 +65,24 @@ def paged_attention(
         out[plan.tok] = o.view(b, num_heads, head_dim)
     else:
         out = torch.empty_like(q)
+    prefill_attention(out, q, kv_pool, meta, layer, scale)
+    return out
 
+
+def prefill_attention(
+    out: torch.Tensor,  # [T, num_heads, head_dim], written at the prefill chunks' tokens only
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_pool: torch.Tensor,  # [num_pages, 2, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata,
+    layer: int,
+    scale: float,
+) -> None:
+    """Attention of each prefill chunk (causal inside it, full over the tokens cached before it),
+    one sequence at a time; decode tokens' rows of out are left as they are."""
+    head_dim, kv_heads = q.shape[2], kv_pool.shape[3]
+    gqa = q.shape[1] != kv_heads
+    bs = meta.block_size
+    blocks = kv_pool.view(-1, bs * kv_heads * head_dim)  # block rows (see torch_attention_plan)
     tables = meta.block_tables[layer]  # [S, max_blocks]
     starts = meta.query_start_host
     for i in meta.prefill_seqs:
@@ -83,4 +100,3 @@ def paged_attention(
             qp[None], kv[0][None], kv[1][None], attn_mask=causal, scale=scale, enable_gqa=gqa
         )  # [1, H, qlen, hd]
         out[s0 : s0 + qlen] = o[0].transpose(0, 1)
-    return out

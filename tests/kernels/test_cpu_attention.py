@@ -1,0 +1,171 @@
+"""The C++ CPU attention kernel (kernels/cpu_attention.cpp) against the float64 reference.
+
+As in the Triton tests, every pool slot that is not a cached or new token holds NaN (the new
+tokens' slots too until write_kv fills them) and the output is NaN-filled before each run, so a
+read past a sequence's length, a wrong page, or an element left unwritten fails the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from attention_testkit import AttentionSpec, attention_ref, attention_specs, build_attention_case
+from hypothesis import HealthCheck, given, settings
+from kernel_testkit import rel_err
+from loraplex.kernels import cpu_attention, cpu_build, torch_attention
+
+CPU = torch.device("cpu")
+TOL = 1e-5
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = cpu_attention.extension()
+    if mod is None:
+        reason = f"cpu_attention extension not built: {cpu_build.build_error(cpu_attention.STEM)}"
+        if os.environ.get("CI") and not cpu_build.disabled():
+            pytest.fail(reason)  # CI has a compiler: a build failure there is a bug, not a skip
+        pytest.skip(reason)
+    return mod
+
+
+def decode_only(spec: AttentionSpec) -> AttentionSpec:
+    return replace(spec, seqs=tuple((c, 1) for c, _ in spec.seqs))
+
+
+def prefill_only(spec: AttentionSpec) -> AttentionSpec:
+    return replace(spec, seqs=tuple((c, max(q, 2)) for c, q in spec.seqs))
+
+
+def run_kernel(ext, spec: AttentionSpec, prefill: bool = True, scale_mult: float = 1.0,
+               strided_q: bool = False) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(kernel output, float64 reference, case) on a NaN-poisoned pool and a NaN-filled output."""
+    case = build_attention_case(spec, torch.float32, poison_unused=True, device=CPU)
+    meta, kv, layer = case.meta, case.kv_pool, spec.layer
+    torch_attention.write_kv(kv, case.k, case.v, meta, layer)
+    q = case.q
+    if strided_q:  # as the model passes it: a slice of a wider (fused qkv) row
+        t, h, d = q.shape
+        fused = torch.full((t, h + 3, d), math.nan)
+        fused[:, :h] = q
+        q = fused[:, :h]
+    scale = case.scale * scale_mult
+    out = torch.full(q.shape, math.nan)
+    ext.paged_attention(out, q, kv, meta.block_tables[layer], cpu_attention.kernel_tiles(meta, spec.group, prefill), scale)
+    return out, attention_ref(case.q, kv, meta, layer, scale), case
+
+
+@FAST
+@given(spec=attention_specs())
+def test_mixed_batches_match_float64(ext, spec):
+    out, ref, _ = run_kernel(ext, spec)
+    assert rel_err(out, ref) < TOL
+
+
+@FAST
+@given(spec=attention_specs(max_ctx=70).map(decode_only))
+def test_decode_only_matches_float64(ext, spec):
+    out, ref, _ = run_kernel(ext, spec)
+    assert rel_err(out, ref) < TOL
+
+
+@FAST
+@given(spec=attention_specs(max_new=40).map(prefill_only))
+def test_prefill_only_matches_float64(ext, spec):
+    out, ref, _ = run_kernel(ext, spec)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("head_dim", [64, 32, 128, 24])  # the unrolled head sizes and the generic loop
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_blocks_of_16_mid_block_and_across_blocks(ext, group, head_dim):
+    """Lengths that end mid-block, on a block edge, one past it, far across blocks (several
+    16-key chunks, so the running max is rescaled), a chunk starting mid-block, a 1-token context;
+    q read through strides, as the model's slice of its fused qkv."""
+    spec = AttentionSpec(block_size=16, kv_heads=2, group=group, head_dim=head_dim,
+                         seqs=((6, 1), (15, 1), (16, 1), (0, 1), (100, 1), (21, 19), (0, 33), (130, 5)),
+                         layer=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    out, ref, _ = run_kernel(ext, spec, strided_q=True)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("prefill_rows", [1, 16, 40, 96])  # a token a tile, by rows, and in lanes
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_prefill_tiles_of_any_size(ext, monkeypatch, group, prefill_rows):
+    """Chunks cut into tiles of several sizes (whole and partial 16-row vectors, tiles smaller and
+    larger than a chunk), after contexts that end mid-block, beside decodes."""
+    monkeypatch.setattr(cpu_attention, "PREFILL_ROWS", prefill_rows)
+    spec = AttentionSpec(block_size=16, kv_heads=2, group=group, head_dim=64,
+                         seqs=((0, 37), (9, 1), (45, 20), (16, 2), (70, 1)),
+                         layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    out, ref, _ = run_kernel(ext, spec)
+    assert rel_err(out, ref) < TOL
+
+
+def test_large_scores_stay_finite(ext):
+    """Scores in the thousands: the running max keeps every exp in range."""
+    spec = AttentionSpec(block_size=4, kv_heads=1, group=3, head_dim=16, seqs=((50, 1), (9, 7), (33, 1)),
+                         layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    out, ref, _ = run_kernel(ext, spec, scale_mult=300.0)
+    assert rel_err(out, ref) < 1e-4  # near one-hot softmax: the scores' own fp32 rounding shows
+
+
+def test_decode_tiles_leave_prefill_rows_untouched(ext):
+    """With prefill left to the torch path, the kernel writes the decode tokens and nothing else."""
+    spec = AttentionSpec(block_size=8, kv_heads=2, group=3, head_dim=40, seqs=((7, 1), (3, 6), (20, 1), (0, 4)),
+                         layer=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    out, ref, case = run_kernel(ext, spec, prefill=False)
+    decode_tok = [case.meta.query_start_host[s] for s in case.meta.decode_seqs]
+    prefill_tok = [t for t in range(case.meta.num_tokens) if t not in decode_tok]
+    assert rel_err(out[decode_tok], ref[decode_tok]) < TOL
+    assert torch.isnan(out[prefill_tok]).all()
+
+
+@pytest.mark.parametrize("prefill_in_kernel", [True, False])
+def test_wrapper_matches_torch_path(ext, monkeypatch, prefill_in_kernel):
+    """paged_attention: same answer as the torch path (finite pool: the torch path needs one)."""
+    monkeypatch.setattr(cpu_attention, "PREFILL_IN_KERNEL", prefill_in_kernel)
+    spec = AttentionSpec(block_size=4, kv_heads=3, group=3, head_dim=64, seqs=((6, 1), (0, 9), (13, 1), (5, 3)),
+                         layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    case = build_attention_case(spec, torch.float32, poison_unused=False, device=CPU)
+    torch_attention.write_kv(case.kv_pool, case.k, case.v, case.meta, 0)
+    out = cpu_attention.paged_attention(case.q, case.kv_pool, case.meta, 0, case.scale)
+    ref = attention_ref(case.q, case.kv_pool, case.meta, 0, case.scale)
+    assert out.is_contiguous() and out.shape == case.q.shape
+    assert rel_err(out, ref) < TOL
+    assert rel_err(out, torch_attention.paged_attention(case.q, case.kv_pool, case.meta, 0, case.scale)) < TOL
+
+
+def test_float16_falls_back_to_the_torch_path():
+    spec = AttentionSpec(block_size=4, kv_heads=1, group=3, head_dim=16, seqs=((5, 1), (2, 3)),
+                         layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    case = build_attention_case(spec, torch.float16, poison_unused=False, device=CPU)
+    out = cpu_attention.paged_attention(case.q, case.kv_pool, case.meta, 0, case.scale)
+    expected = torch_attention.paged_attention(case.q, case.kv_pool, case.meta, 0, case.scale)
+    assert torch.equal(out, expected)
+
+
+def test_without_the_extension_float32_takes_the_torch_path(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "extension", lambda: None)
+    spec = AttentionSpec(block_size=4, kv_heads=1, group=3, head_dim=16, seqs=((5, 1), (2, 3)),
+                         layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    case = build_attention_case(spec, torch.float32, poison_unused=False, device=CPU)
+    out = cpu_attention.paged_attention(case.q, case.kv_pool, case.meta, 0, case.scale)
+    expected = torch_attention.paged_attention(case.q, case.kv_pool, case.meta, 0, case.scale)
+    assert torch.equal(out, expected)
+
+
+def test_page_outside_the_pool_is_refused(ext):
+    spec = AttentionSpec(block_size=4, kv_heads=1, group=1, head_dim=16, seqs=((5, 1), (2, 1)),
+                         layer=0, seed=0)
+    case = build_attention_case(spec, torch.float32, poison_unused=False, device=CPU)
+    tables = case.meta.block_tables[0].clone()
+    tables[1, 0] = case.kv_pool.shape[0]
+    with pytest.raises(RuntimeError, match="outside"):
+        ext.paged_attention(torch.empty_like(case.q), case.q, case.kv_pool, tables,
+                            cpu_attention.kernel_tiles(case.meta, 1), case.scale)
