@@ -10,7 +10,7 @@ Every timed step of ours decodes exactly B requests (checked): the pool (--pool-
 adapters and their KV, and no request finishes inside the timed steps.
 
 Writes JSON (--out) and prints a table. Usage:
-    python benchmarks/decode_step.py [--batches 1 16 64] [--steps 5] [--threads N] [--pool-gib 3]
+    python benchmarks/decode_step.py [--batches 1 16 64] [--steps 5] [--threads N] [--pool-gib 3] [--kernels auto|torch|cpu]
                                      [--out benchmarks/results/decode_step.json]
 """
 
@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for every system (default: torch's)")
     ap.add_argument("--pool-gib", type=float, default=3.0,
                     help="page pool size: B distinct rank-16 adapters (19.5 MB each) and their KV must all fit")
+    ap.add_argument("--kernels", default="auto", help="kernel backend of ours (auto: the C++ kernels on the CPU)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_step.json"))
     args = ap.parse_args()
     if args.threads:
@@ -124,7 +125,7 @@ def main() -> None:
     torch.manual_seed(0)
     roof = measure_roofline()
 
-    engine = EngineCore(EngineConfig(model="default", dtype="float32", kernels="torch", max_lora_rank=64,
+    engine = EngineCore(EngineConfig(model="default", dtype="float32", kernels=args.kernels, max_lora_rank=64,
                                      pool_bytes=int(args.pool_gib * (1 << 30))))
     cfg = engine.model_config
     nmax = max(args.batches)
@@ -169,7 +170,7 @@ def main() -> None:
 
     result = dict(
         date=time.strftime("%Y-%m-%d"), machine="CPU", torch=torch.__version__, roofline=roof.as_dict(),
-        context=CONTEXT, rank=RANK, model="SmolLM2-135M-Instruct (float32)", rows=rows,
+        kernels=engine.ops.name, context=CONTEXT, rank=RANK, model="SmolLM2-135M-Instruct (float32)", rows=rows,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
