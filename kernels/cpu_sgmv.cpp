@@ -256,5 +256,7 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("apply_lora", &apply_lora, "SGMV shrink + expand of one (layer, module), pool read in place");
+  // Without the GIL while it runs: the server's threads keep going meanwhile.
+  m.def("apply_lora", &apply_lora, "SGMV shrink + expand of one (layer, module), pool read in place",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .geometry import PoolGeometry
+from .huge_pages import advise_huge_pages
 
 # Page kinds in PagePool.kind.
 FREE = 0
@@ -32,8 +33,11 @@ class PagePool:
         self.geometry = geometry
         self.device = torch.device(device)
         # Zeroed, not empty: attention over a partly filled block multiplies unused slots by a zero
-        # weight, and 0 * NaN from uninitialised memory would still poison the output.
-        self.tensor = torch.zeros(geometry.num_pages, geometry.page_elems, dtype=geometry.dtype, device=self.device)
+        # weight, and 0 * NaN from uninitialised memory would still poison the output. Advised to
+        # use huge pages before the zeroing touches it (huge_pages.py).
+        self.tensor = torch.empty(geometry.num_pages, geometry.page_elems, dtype=geometry.dtype, device=self.device)
+        self.huge_pages = advise_huge_pages(self.tensor)
+        self.tensor.zero_()
         n = geometry.num_pages
         self.kind = np.full(n, FREE, dtype=np.int8)  # [num_pages] int8
         self.owner = np.full(n, NO_OWNER, dtype=np.int64)  # [num_pages] int64

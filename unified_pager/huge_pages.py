@@ -1,0 +1,38 @@
+"""Ask Linux to back the page pool with 2 MiB pages (transparent huge pages, madvise mode).
+
+Why: the CPU kernels read K/V blocks and adapter rows scattered over a pool of hundreds of MiB to
+GiB; with 4 KiB pages nearly every block read is also a TLB miss. On the dev machine (THP set to
+`madvise`, so nothing is huge unless asked) a huge-page pool made the C++ decode attention about
+25% faster at 2k context and 8% at 128 (measured with torch's THP_MEM_ALLOC_ENABLE=1, which does
+the same for every allocation).
+
+The advice must come before the memory is first touched, so the pool is allocated empty, advised,
+then zeroed. Where THP is off, or the platform is not Linux, the call changes nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """madvise(MADV_HUGEPAGE) over the whole 2 MiB-aligned pages inside t's memory; True if advised."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    first = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    last = end & ~(HUGE_PAGE - 1)
+    if last <= first:
+        return False  # under one aligned huge page: nothing to advise
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
