@@ -18,8 +18,6 @@ from . import torch_attention
 from .cpu_build import load_extension
 from .metadata import AttentionMetadata
 
-write_kv = torch_attention.write_kv
-
 STEM = "cpu_attention"
 # Query rows (tokens x query heads of a kv head) of a prefill tile: each K/V row read serves them
 # all, and the kernel computes them 16 to a vector; 96 is whole vectors for 1, 2, 3, 4, 6 or 8

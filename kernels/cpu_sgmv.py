@@ -44,13 +44,17 @@ def apply_lora(
     x = x if x.stride(1) == 1 else x.contiguous()
     ext.apply_lora(y, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages, rows_per_page, layer,
                    module, LONG_SEGMENT)
-    long = tuple(s for s in _long_segments(lora) if (layer, module) in s.adapter.slots)
+    long = _long_segments(lora, layer, module)
     if long:
         torch_sgmv.apply_segments(y, x, pool_rows, long, layer, module)
 
 
-def _long_segments(lora: LoraBatch) -> tuple[LoraSegment, ...]:
-    hit = lora.plan_cache.get("cpu_long")
+def _long_segments(lora: LoraBatch, layer: int, module: int) -> tuple[LoraSegment, ...]:
+    """The segments the kernel leaves to BLAS for (layer, module); cached on the batch, which every
+    step of the same decode batch reuses."""
+    key = ("cpu_long", layer, module)
+    hit = lora.plan_cache.get(key)
     if hit is None:
-        hit = lora.plan_cache["cpu_long"] = tuple(s for s in lora.segments if s.length > LONG_SEGMENT)
+        hit = lora.plan_cache[key] = tuple(s for s in lora.segments
+                                           if s.length > LONG_SEGMENT and (layer, module) in s.adapter.slots)
     return hit
