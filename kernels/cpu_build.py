@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -67,8 +68,28 @@ def _compile(stem: str) -> ModuleType:
 
     src = Path(__file__).with_name(f"{stem}.cpp")
     # The name carries the source's hash: a changed kernel never loads a stale build, and two
-    # checkouts with different sources do not rebuild each other's.
-    digest = hashlib.sha256(src.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    # checkouts with different sources do not rebuild each other's. It also carries the CPU's
+    # identity: a build for -march=native of one CPU can hold instructions another lacks (AVX-512
+    # on the dev machine, not on an AVX2 one), and a home folder may move between machines.
+    key = src.read_bytes() + " ".join(CFLAGS).encode() + cpu_identity().encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     name = f"loraplex_{stem}_{digest}"
     return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                               verbose=False)
+
+
+def cpu_identity() -> str:
+    """The CPU's model and instruction-set flags (Linux: /proc/cpuinfo), or the platform's names."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor describes them all
+        k, _, v = line.partition(":")
+        fields[k.strip()] = v.strip()
+    wanted = [fields.get(k, "") for k in ("vendor_id", "model name", "flags", "Features", "CPU part")]
+    ident = "|".join(wanted)
+    return ident if ident.strip("|") else f"{platform.machine()}|{platform.processor()}"

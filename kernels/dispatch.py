@@ -15,7 +15,7 @@ import torch
 from loraplex.errors import ConfigError
 
 from . import cpu_attention, cpu_sgmv, torch_attention, torch_sgmv
-from .cpu_build import build_error
+from .cpu_build import build_error, load_extension
 
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 
@@ -60,6 +60,7 @@ def _cpu_ops() -> KernelOps | None:
     if not cpu_sgmv.available():
         return None
     cpu_attention.extension()
+    load_extension("cpu_pack")  # the adapter packer (unified_pager.adapter_rows), built before any load
     return CPU_OPS
 
 

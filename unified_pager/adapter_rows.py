@@ -76,6 +76,8 @@ def assign_rows(layout: RowLayout, name: str, modules: Sequence[LoraModuleWeight
 def write_rows(modules: Sequence[LoraModuleWeights], row_width: int, out: torch.Tensor) -> None:
     """Write A^T [in, rank] then B^T [rank, out] of each module (in packing order) into out
     ([>= num_rows, D]) back to back, casting to out's dtype."""
+    if _write_rows_cpp(modules, out):
+        return
     row = 0
     for m in modules:
         n = m.a.numel() // row_width
@@ -84,6 +86,25 @@ def write_rows(modules: Sequence[LoraModuleWeights], row_width: int, out: torch.
         n = m.b.numel() // row_width
         _copy(out[row : row + n].view(m.b.shape[1], m.b.shape[0]), m.b, transpose=True)
         row += n
+
+
+def _write_rows_cpp(modules: Sequence[LoraModuleWeights], out: torch.Tensor) -> bool:
+    """write_rows in one call of the C++ packer (kernels/cpu_pack.cpp), where it applies: a
+    contiguous CPU output and sources of its dtype (no cast). False where it did nothing."""
+    if out.device.type != "cpu" or not out.is_contiguous() or out.dtype.itemsize not in (2, 4, 8):
+        return False
+    srcs = [t for m in modules for t in (m.a, m.b)]
+    if any(t.dtype != out.dtype or t.device.type != "cpu" for t in srcs):
+        return False
+    from loraplex.kernels.cpu_build import load_extension  # lazily: the pager never needs the kernels
+
+    ext = load_extension("cpu_pack")
+    if ext is None:
+        return False
+    sizes = torch.tensor([t.numel() for t in srcs], dtype=torch.int64)  # [2M]
+    offsets = sizes.cumsum(0) - sizes  # [2M] first element of each matrix: back to back, as below
+    ext.transpose_into(srcs, out.view(-1), offsets)
+    return True
 
 
 # numpy's transposing copy against torch's (dev CPU, float32, 1 thread): about 2x faster for

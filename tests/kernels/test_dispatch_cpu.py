@@ -48,3 +48,29 @@ def test_disabled_cpu_kernels_fall_back_to_torch_and_refuse_by_name():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_build_names_carry_the_cpu_identity(monkeypatch):
+    # A -march=native build of one CPU may hold instructions another lacks: the cached build's name
+    # changes with the CPU, as with the source.
+    from loraplex.kernels import cpu_build
+
+    ident = cpu_build.cpu_identity()
+    assert ident.strip("|")
+    if os.path.exists("/proc/cpuinfo"):
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features")))
+        assert flags.split(":", 1)[1].strip() in ident
+    names = []
+
+    def fake_load(name, **kw):
+        names.append(name)
+        raise RuntimeError("not built in this test")
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    for other in ("vendor A|avx2", "vendor B|avx512f"):
+        monkeypatch.setattr(cpu_build, "cpu_identity", lambda o=other: o)
+        with pytest.raises(RuntimeError):
+            cpu_build._compile("cpu_pack")
+    assert len(set(names)) == 2 and all(n.startswith("loraplex_cpu_pack_") for n in names)

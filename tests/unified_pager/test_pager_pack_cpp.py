@@ -1,0 +1,85 @@
+"""The C++ packer (kernels/cpu_pack.cpp) writes exactly the rows of the numpy/torch path of write_rows.
+
+Random modules of mixed ranks and shapes (PEFT's A [r, in] and B [out, r], some given as transposed
+or strided views), in float16/bfloat16/float32/float64, into an output poisoned with NaN; both paths
+must agree bit for bit and leave the tail past the packed rows untouched. Where the packer cannot be
+built the test skips with the build error, except under CI.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from loraplex.kernels.cpu_build import build_error, load_extension
+from loraplex.lora.types import TARGET_MODULES, LoraModuleWeights
+from loraplex.unified_pager import adapter_rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if load_extension("cpu_pack") is None:
+        msg = f"the C++ packer did not build: {build_error('cpu_pack')}"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def _modules(g: torch.Generator, dtype: torch.dtype, d: int) -> list[LoraModuleWeights]:
+    mods = []
+    for layer in range(3):
+        for mi, name in enumerate(TARGET_MODULES):
+            rank = int(torch.randint(1, 40, (), generator=g))
+            in_f = d * int(torch.randint(1, 5, (), generator=g))
+            out_f = d * int(torch.randint(1, 5, (), generator=g))
+            a = torch.randn(rank, in_f, generator=g).to(dtype)
+            b = torch.randn(out_f, rank, generator=g).to(dtype)
+            if mi % 3 == 1:  # A given as a transposed view of A^T, as packed adapters hold it
+                a = a.t().contiguous().t()
+            if mi % 3 == 2:  # B as a strided column slice of a wider tensor
+                b = torch.randn(out_f, rank + 5, generator=g).to(dtype)[:, 2 : 2 + rank]
+            mods.append(LoraModuleWeights(layer, name, rank, 2.0, a, b))
+    return mods
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_cpp_packer_matches_the_python_path(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    d = 8
+    mods = _modules(g, dtype, d)
+    rows = sum((m.a.numel() + m.b.numel()) // d for m in mods)
+    cpp = torch.full((rows + 3, d), float("nan"), dtype=dtype)
+    adapter_rows.write_rows(mods, d, cpp)  # the C++ path: sources and output share the dtype
+    monkeypatch.setattr(adapter_rows, "_write_rows_cpp", lambda modules, out: False)
+    ref = torch.full((rows + 3, d), float("nan"), dtype=dtype)
+    adapter_rows.write_rows(mods, d, ref)
+    assert torch.equal(cpp[:rows], ref[:rows])
+    assert torch.isnan(cpp[rows:].float()).all()  # nothing written past the packed rows
+    row = 0
+    for m in mods:  # and the layout itself: A^T then B^T, back to back
+        n = m.a.numel() // d
+        assert torch.equal(cpp[row : row + n].reshape(m.a.shape[1], m.rank), m.a.t())
+        row += n
+        n = m.b.numel() // d
+        assert torch.equal(cpp[row : row + n].reshape(m.rank, m.b.shape[0]), m.b.t())
+        row += n
+
+
+def test_cpp_packer_refuses_what_does_not_fit():
+    ext = load_extension("cpu_pack")
+    out = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ext.transpose_into([torch.ones(3, 3)], out, torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="dtype"):
+        ext.transpose_into([torch.ones(2, 2, dtype=torch.float64)], out, torch.tensor([0]))
+    assert torch.equal(out, torch.zeros(10))  # checked before anything is written
+
+
+def test_a_cast_falls_back_to_the_python_path():
+    m = LoraModuleWeights(0, "q_proj", 2, 1.0, torch.randn(2, 4, dtype=torch.float64), torch.randn(4, 2,
+                                                                                                 dtype=torch.float64))
+    out = torch.empty(4, 4, dtype=torch.float32)
+    assert adapter_rows._write_rows_cpp([m], out) is False
+    adapter_rows.write_rows([m], 4, out)
+    assert torch.equal(out[:2].reshape(4, 2), m.a.t().float()) and torch.equal(out[2:].reshape(2, 4), m.b.t().float())
