@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from loraplex.errors import ConfigError
+from loraplex.models.cpu_gemm import GEMM_CHOICES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,6 +36,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (one pool page per layer per block)
     max_model_len: int | None = None  # None: the model's own limit
     kernels: str = "auto"  # "auto" | "torch" | "cpu" | "triton"; LORAPLEX_KERNELS sets it in from_env
+    gemm: str = "auto"  # CPU projections: "auto" (oneDNN prepacked where torch has it, float32) | "onednn" | "mm"
     queue_policy: str = "fcfs"  # order of waiting requests: "fcfs" | "lifo" | "vtc" (fair across tenants)
     cache_dir: Path = field(default_factory=default_cache_dir)
 
@@ -44,6 +46,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_lora_rank", "block_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.gemm not in GEMM_CHOICES:
+            raise ConfigError(f"gemm {self.gemm!r} is not one of {', '.join(GEMM_CHOICES)}")
         if self.queue_policy not in ("fcfs", "lifo", "vtc"):
             raise ConfigError(f"queue_policy {self.queue_policy!r} is not one of fcfs, lifo, vtc")
         if self.pool_bytes is not None and self.pool_bytes <= 0:

@@ -25,6 +25,7 @@ ENV_VARS: dict[str, tuple[str, str, type]] = {
     "LORAPLEX_MAX_LORA_RANK": ("engine", "max_lora_rank", int),
     "LORAPLEX_MAX_MODEL_LEN": ("engine", "max_model_len", int),
     "LORAPLEX_KERNELS": ("engine", "kernels", str),
+    "LORAPLEX_GEMM": ("engine", "gemm", str),
     "LORAPLEX_QUEUE_POLICY": ("engine", "queue_policy", str),
     "LORAPLEX_DATA_DIR": ("store", "data_dir", Path),
     "LORAPLEX_DATABASE_URL": ("store", "database_url", str),

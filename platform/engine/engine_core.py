@@ -54,7 +54,7 @@ class EngineCore:
         self.model_path: Path = resolve_model_path(config.model, config.cache_dir)
         self.model_config: ModelConfig = load_model_config(self.model_path)
         weights = load_checkpoint_tensors(self.model_path, dtype)
-        self.model = LlamaModel(self.model_config, weights, device, dtype)
+        self.model = LlamaModel(self.model_config, weights, device, dtype, config.gemm)
         del weights
         self.tokenizer = load_tokenizer(self.model_path)
         self.max_model_len = min(config.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len)

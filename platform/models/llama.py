@@ -17,6 +17,7 @@ from loraplex.errors import ModelLoadError
 from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch
 from loraplex.lora.types import MODULE_INDEX
 
+from . import cpu_gemm
 from .config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -29,13 +30,16 @@ GATE, UP, DOWN = (MODULE_INDEX[m] for m in ("gate_proj", "up_proj", "down_proj")
 # (float32, 1 thread, all 30 layers of the default model: 92 vs 132 ms at 64 tokens, 66 vs 69 ms
 # at 16, 28 vs 29 ms at 1). GPU GEMMs take either layout at the same speed, so there the
 # checkpoint layout is kept. The tied lm_head is not transposed: it would be a second copy of the
-# embedding, and it measured no faster.
+# embedding, and it measured no faster. Both apply where oneDNN does not (cpu_gemm: prepacked
+# weights, faster still where torch has it).
 WEIGHTS_IN_OUT_ON_CPU = True
+LAYOUTS = ("out_in", "in_out", "onednn")  # how LlamaModel holds its projection weights
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """Projection weights are [out, in] (checkpoint layout), or [in, out] when LlamaModel.in_out."""
+    """Projection weights are [out, in] (checkpoint layout), [in, out] (LlamaModel.layout "in_out"), or
+    oneDNN's packed form of [out, in] ("onednn")."""
 
     input_norm: torch.Tensor  # [H]
     qkv: torch.Tensor  # [q + 2kv, H]  q, k and v fused: one GEMM instead of three
@@ -77,11 +81,13 @@ def rms_norm(
 
 def linear(
     x: torch.Tensor,  # [T, in]
-    w: torch.Tensor,  # [in, out] when in_out, else [out, in]
+    w: torch.Tensor,  # [out, in] ("out_in"), [in, out] ("in_out") or packed ("onednn")
     b: torch.Tensor | None,  # [out]
-    in_out: bool,
+    layout: str,
 ) -> torch.Tensor:  # [T, out]
-    if not in_out:
+    if layout == "onednn":
+        return cpu_gemm.linear(x, w, b)
+    if layout == "out_in":
         return F.linear(x, w, b)
     return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
 
@@ -89,13 +95,19 @@ def linear(
 class LlamaModel:
     """Holds the weights and runs the forward pass; the KV cache lives in the pager's pool."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 gemm: str = "auto"):
+        """gemm: the CPU projections' backend (cpu_gemm.GEMM_CHOICES); GPUs always take F.linear."""
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
         self.rope = RotaryEmbedding(cfg, device)
         self.scale = cfg.head_dim**-0.5
-        self.in_out = WEIGHTS_IN_OUT_ON_CPU and device.type == "cpu"
+        if cpu_gemm.choose(gemm, device, dtype):
+            self.layout = "onednn"
+        else:
+            self.layout = "in_out" if WEIGHTS_IN_OUT_ON_CPU and device.type == "cpu" else "out_in"
+        self.in_out = self.layout == "in_out"
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = weights.get(name)
@@ -110,6 +122,8 @@ class LlamaModel:
 
         def proj(*ts: torch.Tensor) -> torch.Tensor:  # [out, in] pieces -> one weight in the GEMM layout
             w = cat(*ts)
+            if self.layout == "onednn":
+                return cpu_gemm.pack(w)
             return w.t().contiguous() if self.in_out else w
 
         self.embed = take("model.embed_tokens.weight")
@@ -119,7 +133,11 @@ class LlamaModel:
             )
         self.final_norm = take("model.norm.weight")
         lm_head = None if cfg.tie_word_embeddings else take("lm_head.weight", required=False)
-        self.lm_head = lm_head if lm_head is not None else self.embed
+        head = lm_head if lm_head is not None else self.embed  # [V, H]
+        # oneDNN: packed (for a tied head, a copy: the packed form cannot serve the embedding lookup),
+        # 2-3x faster at decode batch sizes on the dev CPU, for 4 x vocab x hidden bytes more memory.
+        self.head_layout = "onednn" if self.layout == "onednn" else "out_in"
+        self.lm_head = cpu_gemm.pack(head) if self.layout == "onednn" else head
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -158,7 +176,7 @@ class LlamaModel:
         qe, ke, ve = self.qkv_splits
         inter = cfg.intermediate_size
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        io = self.in_out
+        io = self.layout
         # Positions are the same in every layer: look up cos/sin once per step.
         cos, sin = self.rope.cos_sin(step.attn.positions, self.dtype)  # [T, hd]
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, hd], broadcast over heads
@@ -189,4 +207,4 @@ class LlamaModel:
                 ops.apply_lora(d, act, pool_rows, lora, li, DOWN)
             h = h + d
         h = rms_norm(h.index_select(0, step.logits_index), self.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head, None, self.head_layout).float()

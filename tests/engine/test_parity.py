@@ -10,7 +10,7 @@ import torch
 from loraplex.engine import LLM, SamplingParams
 from loraplex.kernels import cpu_sgmv
 from loraplex.kernels.cpu_build import build_error
-from loraplex.models import llama
+from loraplex.models import cpu_gemm, llama
 from parity_setup import build_case, rel_err
 
 ARCHS = ["llama", "qwen2", "mistral"]
@@ -62,12 +62,18 @@ def test_mixed_batch_matches_peft(case, kernels):
     assert llm.engine.stats().kv_pages == 0
 
 
-def test_checkpoint_weight_layout_matches_peft(case, monkeypatch):
-    # On the CPU the model stores projections as [in, out]; the checkpoint layout [out, in] (what
-    # GPUs run) must give the same outputs.
-    monkeypatch.setattr(llama, "WEIGHTS_IN_OUT_ON_CPU", False)
-    llm = make_llm(case, max_num_batched_tokens=16)
-    assert not llm.engine.model.in_out
+@pytest.mark.parametrize("layout", ["out_in", "in_out", "onednn"])
+def test_every_weight_layout_matches_peft(case, layout, monkeypatch):
+    # On the CPU the model holds its projections packed for oneDNN where torch has it (gemm "auto"),
+    # else as [in, out] (gemm "mm"); the checkpoint layout [out, in] is what GPUs run. All three
+    # must give the same outputs.
+    if layout == "onednn" and not cpu_gemm.onednn_available():
+        if os.environ.get("CI"):
+            pytest.fail("oneDNN's linear is not usable in this torch")
+        pytest.skip("oneDNN's linear is not usable in this torch")
+    monkeypatch.setattr(llama, "WEIGHTS_IN_OUT_ON_CPU", layout == "in_out")
+    llm = make_llm(case, max_num_batched_tokens=16, gemm="onednn" if layout == "onednn" else "mm")
+    assert llm.engine.model.layout == layout
     outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
     check_outputs(case, outs)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from loraplex.models import cpu_gemm
 from loraplex.models.config import model_config_from_dict
 from loraplex.models.llama import linear, rms_norm
 from loraplex.models.rope import RotaryEmbedding
@@ -48,5 +49,19 @@ def test_linear_layouts_agree(bias):
     w = torch.randn(40, 24, dtype=torch.float64)  # [out, in]
     b = torch.randn(40, dtype=torch.float64) if bias else None
     ref = torch.nn.functional.linear(x, w, b)
-    assert torch.allclose(linear(x, w, b, in_out=False), ref)
-    assert torch.allclose(linear(x, w.t().contiguous(), b, in_out=True), ref)
+    assert torch.allclose(linear(x, w, b, "out_in"), ref)
+    assert torch.allclose(linear(x, w.t().contiguous(), b, "in_out"), ref)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_packed_linear_matches_float64(bias):
+    if not cpu_gemm.onednn_available():
+        pytest.skip("this torch has no usable oneDNN linear")
+    t, k, n = (int(v) for v in torch.randint(1, 300, (3,)))
+    x = torch.randn(t, k + 3)[:, 2 : 2 + k]  # a column slice, as the model passes qkv and attention views
+    w = torch.randn(n, k)  # [out, in]
+    b = torch.randn(n) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = linear(x, cpu_gemm.pack(w), b, "onednn")
+    assert got.shape == (t, n) and got.dtype == torch.float32
+    assert ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item() < 1e-5
