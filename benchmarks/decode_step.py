@@ -69,7 +69,8 @@ def adapter_cost(model_cfg, batch_adapters: int, tokens: int) -> tuple[int, int]
     return batch_adapters * per_adapter_elems * 4, 2 * tokens * per_adapter_elems
 
 
-def time_ours(engine: EngineCore, prompts, adapters, steps: int) -> float:
+def time_ours(engine: EngineCore, prompts, adapters, steps: int, before_step=None) -> float:
+    """Fastest of `steps` decode steps of the batch; before_step() (untimed) runs before each one."""
     # Requests prefilled in the first chunks decode while later prompts prefill (B=64 takes several
     # steps): max_tokens leaves room for those tokens, so no request finishes inside the timed steps.
     params = SamplingParams(max_tokens=steps + PREFILL_STEPS_ROOM, temperature=0.0, ignore_eos=True)
@@ -78,6 +79,8 @@ def time_ours(engine: EngineCore, prompts, adapters, steps: int) -> float:
         engine.step()  # prefill
     times = []
     for _ in range(steps):
+        if before_step is not None:
+            before_step()
         t = time.perf_counter()
         outs = engine.step()
         times.append(time.perf_counter() - t)

@@ -34,9 +34,13 @@ def measure_roofline(mib: int = 512, n: int = 2048, reps: int = 5) -> Roofline:
     y = torch.empty_like(x)
     read = x.numel() * 4 / _best(lambda: x.sum(), reps) / 1e9
     copy = 2 * x.numel() * 4 / _best(lambda: y.copy_(x), reps) / 1e9
+    return Roofline(read, copy, matmul_gflops(n, reps), torch.get_num_threads())
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    """float32 rate of the best of `reps` n x n matmuls (after one untimed)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    flops = 2 * n**3 / _best(lambda: a @ b, reps) / 1e9
-    return Roofline(read, copy, flops, torch.get_num_threads())
+    return 2 * n**3 / _best(lambda: a @ b, reps) / 1e9
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from loraplex.lora.types import TARGET_MODULES
 from loraplex.models.config import ModelConfig
 
 from decode_step import time_ours
-from roofline import measure_roofline
+from roofline import matmul_gflops, measure_roofline
 
 from .workload import FIRST_PROMPT_ID, adapter_elements
 
@@ -74,6 +74,15 @@ def decode_flops_per_token(cfg: ModelConfig, context: int, mean_rank: float = 0.
     return 2 * linear_params(cfg) + attention + lora
 
 
+def request_matmul_flops(cfg: ModelConfig, prompt_tokens: int, output_tokens: int, rank: int = 0) -> float:
+    """Matmul FLOPs any engine spends on one request, at the least: every prompt and output token through
+    the 7 projections of every layer (and its LoRA at `rank`), the LM head once per output token.
+    Attention is left out, so this is a floor."""
+    tokens = prompt_tokens + output_tokens
+    layers = linear_params(cfg) - cfg.vocab_size * cfg.hidden_size
+    return 2.0 * (tokens * (layers + adapter_elements(cfg, rank)) + output_tokens * cfg.vocab_size * cfg.hidden_size)
+
+
 @dataclass(frozen=True)
 class DecodeShare:
     batch: int
@@ -83,25 +92,33 @@ class DecodeShare:
     tokens_per_s: float
     flops_per_token: float
     achieved_gflops: float
-    share_of_compute_ceiling: float
+    share_of_compute_ceiling: float  # of ceiling_gflops
+    # The matmul rate measured just before each timed step (the best of them): on a CPU whose speed drifts
+    # over minutes (the AMD dev machine: 40-60 GFLOP/s), the run's opening roofline may not hold here.
+    ceiling_gflops: float
+    run_ceiling_gflops: float  # the run's opening roofline, for comparison
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def decode_share(engine: EngineCore, ceilings: Ceilings, adapters: Sequence[str | None], ranks: dict[str, int],
-                 batch: int = 64, context: int = 128, steps: int = 4) -> DecodeShare:
+                 batch: int = 64, context: int = 128, steps: int = 4, matmul_n: int = 2048) -> DecodeShare:
     """Time `steps` decode steps of `batch` requests (each at `context` tokens) and compare with the ceiling.
     `adapters` are cycled over the batch (None: the base model)."""
     cfg = engine.model_config
     g = torch.Generator().manual_seed(64)
     prompts = torch.randint(FIRST_PROMPT_ID, cfg.vocab_size, (batch, context), generator=g).tolist()
     names = [adapters[i % len(adapters)] for i in range(batch)]
-    step = time_ours(engine, prompts, names, steps)
+    adjacent: list[float] = []
+    on_cpu = engine.config.torch_device.type == "cpu"
+    before = (lambda: adjacent.append(matmul_gflops(matmul_n, reps=1))) if on_cpu else None
+    step = time_ours(engine, prompts, names, steps, before)
+    ceiling = max(adjacent) if adjacent else ceilings.matmul_gflops
     used = [ranks[n] for n in names if n is not None]
     mean_rank = sum(used) / batch if used else 0.0
     flops = decode_flops_per_token(cfg, context, mean_rank)
     tok_s = batch / step
     label = "none" if not used else f"{len(set(n for n in names if n))} distinct, mean rank {mean_rank:.1f}"
     return DecodeShare(batch, context, label, step, tok_s, flops, tok_s * flops / 1e9,
-                       tok_s * flops / (ceilings.matmul_gflops * 1e9))
+                       tok_s * flops / (ceiling * 1e9), ceiling, ceilings.matmul_gflops)

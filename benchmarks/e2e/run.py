@@ -36,7 +36,8 @@ from e2e.online import run_online  # noqa: E402
 from e2e.plot import plot_scaling  # noqa: E402
 from e2e.scaling import ScalingPoint, run_scaling  # noqa: E402
 from e2e.systems import HFContinuousBatching, HFStaticBatches, LoraplexSystem  # noqa: E402
-from e2e.targets import decode_checks, floor_loss, offline_checks, online_checks, print_checks, scaling_checks  # noqa: E402,E501
+from e2e.targets import decode_checks, floor_loss, matmul_floor_s, offline_checks, online_checks, print_checks, \
+    scaling_checks  # noqa: E402
 from e2e.workload import adapter_rank, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
@@ -67,12 +68,15 @@ class Preset:
     continuous_batching: bool  # run transformers' continuous batching as a (c) candidate
     sample: int = 16  # requests whose outputs are compared
     prefix_tokens: int = 16
+    scaling_repeats: int = 1  # sweeps, in alternating order (scaling.py): a drifting CPU speed cancels out
 
 
 PRESETS = {
-    "tiny": Preset(8, 16, 48, 6, 12, 4, 4, 0.5, 2.0, (1, 4, 16), 8, 64, 512, 256, 8, 2, True, 8, 6),
+    "tiny": Preset(8, 16, 48, 6, 12, 4, 4, 0.5, 2.0, (1, 4, 16), 8, 64, 512, 256, 8, 2, True, 8, 6, 2),
     # online_load 0.7: the online runs last as long as their arrivals (48 / rate), which keeps quick under 10 min
-    "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.7, 2.0, (1, 10, 100, 1000), 64, 160, 2048, 1024, 64, 3, True),
+    # scaling: 2 sweeps of 32 requests (one of 64 before): the same time, and a drifting CPU speed cancels out
+    "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.7, 2.0, (1, 10, 100, 1000), 32, 160, 2048, 1024, 64, 3, True,
+                    scaling_repeats=2),
     "full": Preset(192, 128, 1024, 64, 256, 100, 32, 0.5, 2.0, (1, 10, 100, 1000), 512, 320, 3072, 1024, 64, 6,
                    True, 32, 32),
 }
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_mode(offline)
     loss = floor_loss(offline.runs["loraplex"], offline.runs["loraplex-no-adapters"], requests, cfg, ceilings,
                       dtype.itemsize)
-    checks = offline_checks(offline.metrics, offline.base_choice, loss)
+    checks = offline_checks(offline.metrics, offline.base_choice, loss, matmul_floor_s(requests, cfg, ceilings))
     if "online" not in args.skip:
         rate = p.online_load * offline.metrics["loraplex"].throughput_rps
         log(f"online: {rate:.3f} req/s ({p.online_load} x loraplex's offline rate), TTFT target "
@@ -211,22 +215,25 @@ def main(argv: list[str] | None = None) -> dict:
     if "decode" not in args.skip:
         log(f"decode at batch {p.decode_batch}...")
         ranks = {n: adapter_rank(n) for n in adapters}
-        shares = [decode_share(engine, ceilings, [None], ranks, p.decode_batch, steps=p.decode_steps),
-                  decode_share(engine, ceilings, list(adapters), ranks, p.decode_batch, steps=p.decode_steps)]
+        n = 1024 if tiny else 2048
+        shares = [decode_share(engine, ceilings, [None], ranks, p.decode_batch, steps=p.decode_steps, matmul_n=n),
+                  decode_share(engine, ceilings, list(adapters), ranks, p.decode_batch, steps=p.decode_steps,
+                               matmul_n=n)]
         result["decode"] = [s.as_dict() for s in shares]
         checks += decode_checks(shares[:1])  # the target is on the decode step itself (no adapters)
         for s in shares:
             print(f"\ndecode B={s.batch} ctx={s.context} adapters {s.adapters}: {s.step_s * 1e3:.1f} ms/step, "
                   f"{s.tokens_per_s:.0f} tok/s, {s.achieved_gflops:.0f} GFLOP/s = "
-                  f"{s.share_of_compute_ceiling:.2f} of the measured {ceilings.matmul_gflops:.0f} GFLOP/s")
+                  f"{s.share_of_compute_ceiling:.2f} of the {s.ceiling_gflops:.0f} GFLOP/s measured beside the steps "
+                  f"(the run's opening roofline: {s.run_ceiling_gflops:.0f})")
     del engine
     if "scaling" not in args.skip:
-        log(f"scaling: {p.scaling_counts} adapters, {p.scaling_requests} requests, host cache "
+        log(f"scaling: {p.scaling_counts} adapters x {p.scaling_repeats}, {p.scaling_requests} requests, host cache "
             f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB...")
         spec = trace_spec(p, args.seed, 1, p.scaling_requests)
         points = run_scaling(dataclasses.replace(econf, pool_bytes=int(p.scaling_pool_mib * MiB)), spec,
                              p.scaling_counts, p.scaling_requests, work / "adapters", ceilings,
-                             int(p.host_cache_mib * MiB), args.seed, log)
+                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats)
         result["scaling"] = {"host_cache_bytes": int(p.host_cache_mib * MiB),
                              "pool_bytes": int(p.scaling_pool_mib * MiB),
                              "points": [pt.as_dict() for pt in points]}

@@ -8,6 +8,11 @@ adapter folder -> host cache (byte-budgeted LRU, adapter_store.HostCache) -> Eng
 result so that "more adapters than fit" shows; adapter loads run on the engine thread as each request is
 added (the server overlaps them with queueing instead), so their cost is inside the measured time.
 
+With repeats > 1 the sweep runs again in mirrored order (1, 10, 100, 1000, 1000, 100, 10, 1, ...): a
+CPU whose speed drifts over minutes (the AMD dev machine's matmul rate moved between 40 and 60 GFLOP/s)
+then gives every N the same mean position in time, so a linear drift cancels out of the comparison.
+Each point reports the mean of its runs' walls (and every wall).
+
 Floor-predicted time of run N = time of run 1 + (extra bytes) / read bandwidth + (extra LoRA FLOPs) /
 matmul rate, where the bytes are those of the distinct adapters each step reads, plus each host-cache load
 and each pool load (one pass over the adapter's bytes each), and the FLOPs are every token's shrink and
@@ -93,7 +98,7 @@ class ScalingPoint:
     distinct_used: int  # of them, those some request names
     throughput_rps: float
     throughput_tok_s: float
-    wall_s: float
+    wall_s: float  # mean over the repeats
     relative_throughput: float  # against the 1-adapter run
     host_cache: dict  # HostCache stats: hits, misses, evictions, loads, load_seconds, budget_bytes
     pool_loads: int
@@ -106,6 +111,7 @@ class ScalingPoint:
     measured_loss: float | None = None
     predicted_loss: float | None = None
     loss_ratio: float | None = None  # measured / predicted (the issue's bound: <= 1.3)
+    walls: list[float] = dataclasses.field(default_factory=list)  # every repeat's wall, in the order run
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -148,11 +154,13 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
 
 def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence[int], num_requests: int,
                 adapter_root: Path, ceilings: Ceilings, host_cache_bytes: int, seed: int = 0,
-                log=print) -> list[ScalingPoint]:
-    """The first `num_requests` requests of `spec`'s trace regenerated with each adapter count."""
-    points: list[ScalingPoint] = []
+                log=print, repeats: int = 1) -> list[ScalingPoint]:
+    """The first `num_requests` requests of `spec`'s trace regenerated with each adapter count, the sweep
+    run `repeats` times in alternating order (see the module's docstring)."""
+    runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
     model_cfg = None
-    for n in counts:
+    order = [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
+    for n in order:
         trace = T.generate(dataclasses.replace(spec, num_adapters=n))[:num_requests]
         if model_cfg is None:
             from loraplex.models.config import load_model_config
@@ -167,8 +175,18 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
         log(f"    {point.wall_s:.1f} s, host cache {point.host_cache['hits']} hits / {point.host_cache['misses']} "
             f"misses / {point.host_cache['evictions']} evictions, pool {point.pool_loads} loads / "
             f"{point.pool_evictions} evictions")
-        points.append(point)
-    return with_predictions(points, ceilings)
+        runs[n].append(point)
+    return with_predictions([_mean_point(runs[n]) for n in counts], ceilings)
+
+
+def _mean_point(runs: list[ScalingPoint]) -> ScalingPoint:
+    """One point from repeats of the same N (the same requests): mean wall and throughput, every wall kept;
+    the cache and pool counts are the first run's (each run starts from an empty cache and pool)."""
+    wall = sum(r.wall_s for r in runs) / len(runs)
+    first = runs[0]
+    return dataclasses.replace(first, wall_s=wall, throughput_rps=first.throughput_rps * first.wall_s / wall,
+                               throughput_tok_s=first.throughput_tok_s * first.wall_s / wall,
+                               walls=[r.wall_s for r in runs])
 
 
 def with_predictions(points: list[ScalingPoint], ceilings: Ceilings) -> list[ScalingPoint]:

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from e2e import run as e2e_run  # noqa: E402
-from e2e.ceiling import decode_flops_per_token, linear_params  # noqa: E402
+from e2e.ceiling import decode_flops_per_token, linear_params, request_matmul_flops  # noqa: E402
 from e2e.online import at_rate  # noqa: E402
 from e2e.workload import BenchRequest, adapter_elements, write_random_adapter  # noqa: E402
 from factories import make_tiny_model  # noqa: E402
@@ -93,7 +93,9 @@ def test_decode_share_and_roofline(result):
     assert base["adapters"] == "none" and "distinct" in lora["adapters"]
     for d in (base, lora):
         assert d["tokens_per_s"] == pytest.approx(d["batch"] / d["step_s"])
-        assert d["share_of_compute_ceiling"] == pytest.approx(d["achieved_gflops"] / c["matmul_gflops"])
+        # Against the matmul rate measured beside the timed steps; the run's opening one is kept beside it.
+        assert d["share_of_compute_ceiling"] == pytest.approx(d["achieved_gflops"] / d["ceiling_gflops"])
+        assert d["ceiling_gflops"] > 0 and d["run_ceiling_gflops"] == c["matmul_gflops"]
         assert 0 < d["share_of_compute_ceiling"]
     assert lora["flops_per_token"] > base["flops_per_token"]
 
@@ -111,6 +113,9 @@ def test_scaling_outgrows_the_host_cache(result):
     assert last["pool_loads"] >= last["distinct_used"]
     for p in points:
         assert p["predicted_loss"] >= 0 and p["step_adapter_bytes"] > 0
+        # two sweeps (the second in reverse order); the point is their mean
+        assert len(p["walls"]) == 2 and p["wall_s"] == pytest.approx(sum(p["walls"]) / 2)
+        assert p["throughput_rps"] == pytest.approx(e2e_run.PRESETS["tiny"].scaling_requests / p["wall_s"])
     assert Path(s["plot"]).stat().st_size > 1000  # a PNG was drawn
     written = json.loads(Path(s["plot"]).with_suffix(".json").read_text())
     assert written["scaling"]["points"] == points
@@ -123,6 +128,10 @@ def test_flops_per_token_and_at_rate(tiny_model):
     assert linear_params(cfg) == linear
     assert decode_flops_per_token(cfg, 10, 0.0) == 2 * linear + 4 * L * 10 * h
     assert decode_flops_per_token(cfg, 10, 8.0) - decode_flops_per_token(cfg, 10, 0.0) == 2 * adapter_elements(cfg, 8)
+    # A request's matmul floor: every token through the layers (and its LoRA), the LM head per output token.
+    layers = linear - V * h
+    assert request_matmul_flops(cfg, 7, 3) == 2 * (10 * layers + 3 * V * h)
+    assert request_matmul_flops(cfg, 7, 3, 8) - request_matmul_flops(cfg, 7, 3) == 2 * 10 * adapter_elements(cfg, 8)
     reqs = [BenchRequest(f"r{k}", t, (3,), None, 1, 1.0) for k, t in enumerate([5.0, 5.5, 9.0])]
     scaled = at_rate(reqs, 4.0)
     assert [r.arrival_s for r in scaled] == pytest.approx([0.0, 0.0625, 0.5])  # 2 gaps in 0.5 s; shape kept
@@ -134,6 +143,10 @@ def test_targets_are_checked_on_the_run_figures(result):
     peft = targets["offline output tok/s, loraplex / transformers+PEFT"]
     assert peft["measured"] == pytest.approx(m["loraplex"]["throughput_tok_s"] / m["peft-static"]["throughput_tok_s"])
     assert peft["bound"] == 10.0 and peft["met"] == (peft["measured"] >= 10.0)
+    # The reachable ratio at the matmul floor is stated beside it (PEFT's time over the floor's).
+    floor_s = float(peft["detail"].split("matmul floor ")[1].split(" s")[0])
+    at_floor = float(peft["detail"].rsplit("would be ", 1)[1])
+    assert floor_s > 0 and at_floor == pytest.approx(m["peft-static"]["wall_s"] / floor_s, rel=0.02)
     loss = targets["loss against loraplex without adapters / the floor's predicted loss"]
     assert loss["bound"] == 1.3 and "predicted" in loss["detail"]
     assert any(n.startswith("online p99 TTFT") for n in targets)
