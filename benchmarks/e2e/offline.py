@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .metrics import Metrics, OutputMatch, compare_outputs, summarize
 from .systems import RunResult, System
@@ -35,18 +35,38 @@ class ModeResult:
                           for k, r in self.runs.items()}}
 
 
+REPEAT = "#2"  # suffix of a repeated run's name
+
+
 def serve_all(systems: Systems, requests: Sequence[BenchRequest], base_candidates: Sequence[System],
-              log=print) -> dict[str, RunResult]:
-    """Every system on the same requests (the base-model systems on the same requests without adapters)."""
+              log=print, repeat_pair: bool = False) -> dict[str, RunResult]:
+    """Every system on the same requests (the base-model systems on the same requests without adapters).
+    repeat_pair: loraplex with and without adapters run first, in the order A B B A (the repeats named
+    with REPEAT), so that their comparison (the adapters' loss) cancels a linear drift of the CPU's
+    speed, which on the AMD dev machine moved by up to 1.4x over minutes."""
     plain = without_adapters(requests)
     runs: dict[str, RunResult] = {}
-    for system, reqs in [(systems.loraplex, requests), (systems.peft, requests),
-                         *[(c, plain) for c in base_candidates], (systems.loraplex_base, plain)]:
-        log(f"  {system.name}: {len(reqs)} requests...")
+    pair = [(systems.loraplex, requests, ""), (systems.loraplex_base, plain, "")]
+    if repeat_pair:
+        order = [*pair, *[(s, r, REPEAT) for s, r, _ in reversed(pair)]]
+    else:
+        order = pair[:1]
+    order += [(systems.peft, requests, ""), *[(c, plain, "") for c in base_candidates]]
+    if not repeat_pair:
+        order.append(pair[1])
+    for system, reqs, suffix in order:
+        name = system.name + suffix
+        log(f"  {name}: {len(reqs)} requests...")
         system.warmup()
-        runs[system.name] = system.serve(reqs)
-        log(f"    {runs[system.name].wall_s:.1f} s")
+        runs[name] = system.serve(reqs)
+        log(f"    {runs[name].wall_s:.1f} s")
     return runs
+
+
+def mean_wall(runs: dict[str, RunResult], name: str) -> RunResult:
+    """The run of `name` with its wall the mean over it and its repeat (if any)."""
+    reps = [runs[n] for n in (name, name + REPEAT) if n in runs]
+    return replace(reps[0], wall_s=sum(r.wall_s for r in reps) / len(reps))
 
 
 def check_outputs(systems: Systems, runs: dict[str, RunResult], base_names: Sequence[str],
@@ -62,7 +82,7 @@ def check_outputs(systems: Systems, runs: dict[str, RunResult], base_names: Sequ
 def run_offline(systems: Systems, requests: Sequence[BenchRequest], sample: int = 16, prefix_tokens: int = 16,
                 log=print) -> ModeResult:
     reqs = all_at_once(requests)
-    runs = serve_all(systems, reqs, systems.base_candidates, log)
+    runs = serve_all(systems, reqs, systems.base_candidates, log, repeat_pair=True)
     metrics = {name: summarize(run) for name, run in runs.items()}
     names = [c.name for c in systems.base_candidates]
     best = max(names, key=lambda n: metrics[n].throughput_tok_s)

@@ -91,7 +91,8 @@ def offline_checks(metrics: dict[str, Metrics], base_choice: str, loss: FloorLos
         TargetCheck(f"offline output tok/s, loraplex with adapters / {base_choice} (base model only)",
                     ours.throughput_tok_s / base.throughput_tok_s, 1.0, True),
         TargetCheck("loss against loraplex without adapters / the floor's predicted loss", loss.ratio, 1.3, False,
-                    f"measured {loss.measured_loss:.3f}, predicted {loss.predicted_loss:.3f} "
+                    f"measured {loss.measured_loss:.3f} (mean walls of runs in the order A B B A), "
+                    f"predicted {loss.predicted_loss:.3f} "
                     f"({loss.extra_bytes / 1e9:.2f} GB read, {loss.extra_flops / 1e9:.1f} GFLOP)"),
     ]
 

@@ -54,7 +54,8 @@ def test_written_adapter_is_a_valid_peft_adapter(tiny_model, tmp_path):
 
 def test_every_system_serves_every_request_and_outputs_agree(result):
     off = result["offline"]
-    assert set(off["metrics"]) == SYSTEMS
+    # offline, loraplex with and without adapters run twice (A B B A) for the adapters' loss
+    assert set(off["metrics"]) == SYSTEMS | {"loraplex#2", "loraplex-no-adapters#2"}
     n, tokens = result["trace"]["requests"], None
     assert n == e2e_run.PRESETS["tiny"].requests
     for name, m in off["metrics"].items():
@@ -148,7 +149,12 @@ def test_targets_are_checked_on_the_run_figures(result):
     at_floor = float(peft["detail"].rsplit("would be ", 1)[1])
     assert floor_s > 0 and at_floor == pytest.approx(m["peft-static"]["wall_s"] / floor_s, rel=0.02)
     loss = targets["loss against loraplex without adapters / the floor's predicted loss"]
-    assert loss["bound"] == 1.3 and "predicted" in loss["detail"]
+    assert loss["bound"] == 1.3 and "predicted" in loss["detail"] and "A B B A" in loss["detail"]
+    walls = {k: v["wall_s"] for k, v in m.items()}
+    t_with = (walls["loraplex"] + walls["loraplex#2"]) / 2
+    t_without = (walls["loraplex-no-adapters"] + walls["loraplex-no-adapters#2"]) / 2
+    measured = float(loss["detail"].split("measured ")[1].split(" ")[0])
+    assert measured == pytest.approx(1 - t_without / t_with, abs=1e-3)
     assert any(n.startswith("online p99 TTFT") for n in targets)
     decode = [t for n, t in targets.items() if n.startswith("decode B=")]
     assert len(decode) == 1 and decode[0]["measured"] == pytest.approx(result["decode"][0]["share_of_compute_ceiling"])
