@@ -25,6 +25,21 @@ namespace {
 constexpr int TB = 8;        // tokens per work item: a row of A^T or a chunk of B^T is loaded once for TB tokens
 constexpr int MAX_RANK = 256;
 
+// Register budget: AVX-512 has 32 vector registers of 16 floats, AVX2 16 of 8. The blockings below
+// keep the accumulators at about half of them on either (on AVX2 the AVX-512 blocking spilled:
+// 4 tokens x 64 columns is 32 ymm registers).
+#if defined(__AVX512F__)
+constexpr int VEC = 16;
+#else
+constexpr int VEC = 8;
+#endif
+constexpr int SHRINK_NT = VEC == 16 ? TB : TB / 2;  // tokens per shrink pass over A^T (rank-16 accumulators)
+constexpr int EXPAND_NT = VEC == 16 ? 4 : 2;        // tokens per expand pass over B^T
+constexpr int W = 4 * VEC;                          // expand columns per pass
+// A lone (decode) token's shrink is a chain of dependent FMAs per accumulator: P partial sums over
+// alternate rows of A^T let the FMA units overlap them (latency 4-5 cycles, 1-2 issued per cycle).
+constexpr int P = 4;
+
 struct Pages {
   const float* pool;
   const int32_t* table;  // this segment's page table
@@ -83,7 +98,27 @@ template <int R, int NT>
 inline void shrink(float (*__restrict s)[MAX_RANK], const float* __restrict x, int64_t x_stride, int nt,
                    const Pages& pg, int64_t a_elem, int rank, int64_t in, float scale) {
   float buf[MAX_RANK];  // a row of A^T that crosses a page boundary
-  if constexpr (R > 0) {
+  if constexpr (R > 0 && NT == 1) {
+    float acc[P][R] = {};
+    Cursor cur(pg, a_elem, in * R);
+    int64_t i = 0;
+    for (; i + P <= in; i += P) {
+#pragma GCC unroll 4
+      for (int q = 0; q < P; ++q) {
+        const float* __restrict a = cur.next(R, buf);  // used before the next call
+        const float xv = x[i + q];
+#pragma omp simd
+        for (int j = 0; j < R; ++j) acc[q][j] += xv * a[j];
+      }
+    }
+    for (; i < in; ++i) {
+      const float* __restrict a = cur.next(R, buf);
+      const float xv = x[i];
+#pragma omp simd
+      for (int j = 0; j < R; ++j) acc[0][j] += xv * a[j];
+    }
+    for (int j = 0; j < R; ++j) s[0][j] = (acc[0][j] + acc[1][j] + acc[2][j] + acc[3][j]) * scale;
+  } else if constexpr (R > 0) {
     float acc[NT][R] = {};
     Cursor cur(pg, a_elem, in * R);
     for (int64_t i = 0; i < in; ++i) {
@@ -117,7 +152,6 @@ inline void shrink(float (*__restrict s)[MAX_RANK], const float* __restrict x, i
 // Expand of nt tokens: y_t += s_t @ B^T, W columns at a time (acc_t = sum_k s_t[k] * B^T[k, cols],
 // then one add into y). D divides out and B^T starts on a row, so W columns within a D-wide row
 // never cross a page. NT > 0: the token count is a compile-time constant (registers again).
-constexpr int W = 64;
 template <int NT>
 inline void expand(float* __restrict y, int64_t y_stride, const float (*__restrict s)[MAX_RANK], int nt,
                    const float* const* rows, int rank, int64_t out, int64_t d) {
@@ -155,7 +189,10 @@ template <int R>
 void shrink_block(float (*s)[MAX_RANK], const float* x, int64_t xs, int nt, const Pages& pg, int64_t a, int rank,
                   int64_t in, float scale) {
   // Full blocks of TB tokens and lone tokens (decode) have fixed-size kernels; other counts the generic one.
-  if (nt == TB) shrink<R, TB>(s, x, xs, nt, pg, a, rank, in, scale);
+  if (nt == TB) {
+    for (int t0 = 0; t0 < TB; t0 += SHRINK_NT)
+      shrink<R, SHRINK_NT>(s + t0, x + t0 * xs, xs, SHRINK_NT, pg, a, rank, in, scale);
+  }
   else if (nt == 1) shrink<R, 1>(s, x, xs, nt, pg, a, rank, in, scale);
   else shrink<0, 0>(s, x, xs, nt, pg, a, rank, in, scale);
 }
@@ -183,10 +220,10 @@ void apply_block(float* __restrict y, int64_t y_stride, const float* __restrict 
       p += d, run -= d;
     }
   }
-  // 4 tokens x 64 columns of accumulators: 16 of the 32 AVX-512 registers (8 tokens would spill).
+  // EXPAND_NT tokens x W columns of accumulators: half the vector registers (8 tokens would spill).
   if (nt == TB) {
-    expand<TB / 2>(y, y_stride, s, TB / 2, rows.data(), rank, out, d);
-    expand<TB / 2>(y + (TB / 2) * y_stride, y_stride, s + TB / 2, TB / 2, rows.data(), rank, out, d);
+    for (int t0 = 0; t0 < TB; t0 += EXPAND_NT)
+      expand<EXPAND_NT>(y + t0 * y_stride, y_stride, s + t0, EXPAND_NT, rows.data(), rank, out, d);
   }
   else if (nt == 1) expand<1>(y, y_stride, s, nt, rows.data(), rank, out, d);
   else expand<0>(y, y_stride, s, nt, rows.data(), rank, out, d);

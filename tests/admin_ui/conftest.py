@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent.parent / "api"))  # api_server: the live-server helpers
 sys.path.insert(0, str(Path(__file__).parent))  # admin_browser
 
-from api_server import LiveServer, server_config, start_server  # noqa: E402
+from api_server import LiveServer, one_torch_thread, server_config, start_server  # noqa: E402,F401 (autouse fixture)
 from factories import make_chat_model, make_peft_adapter  # noqa: E402
 
 CHROMIUM = Path(os.environ.get("LORAPLEX_CHROMIUM", "/usr/bin/chromium"))
@@ -24,16 +24,6 @@ def _unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI: `.ci/run` installs it with apt-get install -y chromium)", pytrace=False)
     pytest.skip(reason)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads only add waiting on a busy 2-core machine
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
+import pytest
 from loraplex.adapter_store.config import StoreConfig
 from loraplex.api.app import create_app
 from loraplex.api.server import LoraplexServer
@@ -19,6 +21,17 @@ from loraplex.api.state import ServerState
 from loraplex.config import EngineConfig
 
 OPERATOR_KEY = "lpx_test-operator-key-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Imported by the API and dashboard conftests: the server's tiny ops gain nothing from threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only add waiting on a busy 2-core machine
+    yield
+    torch.set_num_threads(before)
 
 
 def free_port() -> int:

@@ -13,18 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from api_server import LiveServer, server_config, start_server
+from api_server import LiveServer, one_torch_thread, server_config, start_server  # noqa: F401 (autouse fixture)
 from factories import make_chat_model, make_peft_adapter
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads only add waiting on a busy 2-core machine
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
