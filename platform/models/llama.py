@@ -33,7 +33,6 @@ GATE, UP, DOWN = (MODULE_INDEX[m] for m in ("gate_proj", "up_proj", "down_proj")
 # embedding, and it measured no faster. Both apply where oneDNN does not (cpu_gemm: prepacked
 # weights, faster still where torch has it).
 WEIGHTS_IN_OUT_ON_CPU = True
-LAYOUTS = ("out_in", "in_out", "onednn")  # how LlamaModel holds its projection weights
 
 
 @dataclass(frozen=True)
@@ -176,13 +175,13 @@ class LlamaModel:
         qe, ke, ve = self.qkv_splits
         inter = cfg.intermediate_size
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        io = self.layout
+        lay = self.layout  # "out_in" | "in_out" | "onednn": how the projection weights are held
         # Positions are the same in every layer: look up cos/sin once per step.
         cos, sin = self.rope.cos_sin(step.attn.positions, self.dtype)  # [T, hd]
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, hd], broadcast over heads
         for li, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
-            qkv = linear(x, w.qkv, w.qkv_bias, io)  # [T, q + 2kv]
+            qkv = linear(x, w.qkv, w.qkv_bias, lay)  # [T, q + 2kv]
             if lora is not None:
                 for mod, (lo, hi) in ((Q, (0, qe)), (K, (qe, ke)), (V, (ke, ve))):
                     ops.apply_lora(qkv[:, lo:hi], x, pool_rows, lora, li, mod)
@@ -192,17 +191,17 @@ class LlamaModel:
             v = qkv[:, ke:].view(T, nkv, hd)
             ops.write_kv(kv_pool, k, v, step.attn, li)
             attn = ops.paged_attention(q, kv_pool, step.attn, li, self.scale).reshape(T, cfg.q_size)
-            o = linear(attn, w.o, w.o_bias, io)  # [T, H]
+            o = linear(attn, w.o, w.o_bias, lay)  # [T, H]
             if lora is not None:
                 ops.apply_lora(o, attn, pool_rows, lora, li, O)
             h = h + o
             x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
-            gu = linear(x, w.gate_up, w.gate_up_bias, io)  # [T, 2I]
+            gu = linear(x, w.gate_up, w.gate_up_bias, lay)  # [T, 2I]
             if lora is not None:
                 ops.apply_lora(gu[:, :inter], x, pool_rows, lora, li, GATE)
                 ops.apply_lora(gu[:, inter:], x, pool_rows, lora, li, UP)
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
-            d = linear(act, w.down, w.down_bias, io)  # [T, H]
+            d = linear(act, w.down, w.down_bias, lay)  # [T, H]
             if lora is not None:
                 ops.apply_lora(d, act, pool_rows, lora, li, DOWN)
             h = h + d
