@@ -106,7 +106,6 @@ class LlamaModel:
             self.layout = "onednn"
         else:
             self.layout = "in_out" if WEIGHTS_IN_OUT_ON_CPU and device.type == "cpu" else "out_in"
-        self.in_out = self.layout == "in_out"
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = weights.get(name)
@@ -123,7 +122,7 @@ class LlamaModel:
             w = cat(*ts)
             if self.layout == "onednn":
                 return cpu_gemm.pack(w)
-            return w.t().contiguous() if self.in_out else w
+            return w.t().contiguous() if self.layout == "in_out" else w
 
         self.embed = take("model.embed_tokens.weight")
         if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
