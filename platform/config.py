@@ -36,7 +36,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (one pool page per layer per block)
     max_model_len: int | None = None  # None: the model's own limit
     kernels: str = "auto"  # "auto" | "torch" | "cpu" | "triton"; LORAPLEX_KERNELS sets it in from_env
-    gemm: str = "auto"  # CPU projections: "auto" (oneDNN prepacked where torch has it, float32) | "onednn" | "mm"
+    gemm: str = "auto"  # CPU float32 projections: "auto" (the first of packed, onednn, mm that runs) | "packed" | "onednn" | "mm"
     queue_policy: str = "fcfs"  # order of waiting requests: "fcfs" | "lifo" | "vtc" (fair across tenants)
     cache_dir: Path = field(default_factory=default_cache_dir)
 

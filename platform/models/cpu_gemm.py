@@ -1,4 +1,4 @@
-"""The base model's projections on the CPU: oneDNN with each weight prepacked once, or BLAS mm.
+"""The base model's projections on the CPU: our C++ kernel or oneDNN, each weight prepacked once, or BLAS mm.
 
 Why oneDNN: torch's float32 CPU matmul calls MKL's sgemm, which repacks the weight into its panel
 layout on every call; at decode batch sizes that repacking is a large part of the call. oneDNN's
@@ -8,8 +8,9 @@ own speed drifts by up to 1.4x over minutes, so each pair was timed back to back
 gate/up 576 -> 3072: 58 vs 30 GFLOP/s; the LM head 576 -> 49152: 63 vs 22-30 GFLOP/s; the other
 projections 4-15% faster (/tmp script, see benchmarks/RESULTS.md for the engine-level figures).
 
-The packed weight is an opaque mkldnn tensor: only `linear` below reads it. Where torch was built
-without oneDNN (or its linear fails the self-check) "auto" falls back to mm.
+"packed" (kernels/cpu_linear.cpp) holds each weight in panels of the kernel's vector width; "onednn"
+holds an opaque mkldnn tensor. Only `linear` below reads either. "auto" takes the first of packed,
+oneDNN and mm that runs here (a machine without a compiler, a torch without oneDNN).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import functools
 import torch
 
 from loraplex.errors import ConfigError
+from loraplex.kernels import cpu_linear
 
-GEMM_CHOICES = ("auto", "onednn", "mm")
+GEMM_CHOICES = ("auto", "packed", "onednn", "mm")
+PACKED_LAYOUTS = ("packed", "onednn")  # LlamaModel.layout values whose weights pack() prepares
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,30 +36,44 @@ def onednn_available() -> bool:
         w = torch.randn(24, 40, generator=g)  # [out, in]
         x = torch.randn(5, 40, generator=g)
         b = torch.randn(24, generator=g)
-        y = linear(x, pack(w), b)
+        y = _onednn_linear(x, _onednn_pack(w), b)
         return bool(torch.allclose(y, torch.addmm(b, x, w.t()), rtol=1e-4, atol=1e-4))
     except (RuntimeError, AttributeError):  # an op missing from this build
         return False
 
 
-def choose(gemm: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """True where the model should prepack its weights for oneDNN; ConfigError where "onednn" cannot run."""
+def choose(gemm: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The prepacked layout the model should hold its projections in ("packed" | "onednn"), or None for
+    plain tensors (mm); ConfigError where the backend asked for cannot run."""
     if gemm not in GEMM_CHOICES:
         raise ConfigError(f"gemm {gemm!r} is not one of {', '.join(GEMM_CHOICES)}")
     applies = device.type == "cpu" and dtype == torch.float32
-    if gemm == "onednn" and not (applies and onednn_available()):
-        raise ConfigError("gemm 'onednn' was asked for, but it runs only on the CPU in float32 with a torch "
-                          f"built with oneDNN (here: device {device}, {dtype}, oneDNN usable: {onednn_available()})")
-    return gemm != "mm" and applies and onednn_available()
+    usable = {"packed": applies and cpu_linear.available(), "onednn": applies and onednn_available()}
+    if gemm in usable and not usable[gemm]:
+        raise ConfigError(f"gemm {gemm!r} was asked for, but it runs only on the CPU in float32 "
+                          + ("with a torch built with oneDNN" if gemm == "onednn" else "where the C++ kernel builds")
+                          + f" (here: device {device}, {dtype}, usable: {usable[gemm]})")
+    if gemm == "auto":
+        return next((name for name in PACKED_LAYOUTS if usable[name]), None)
+    return gemm if gemm in usable else None
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:  # w [out, in] float32 -> opaque packed weight
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+def pack(w: torch.Tensor, layout: str):  # w [out, in] float32 -> the layout's packed weight
+    return cpu_linear.pack(w) if layout == "packed" else _onednn_pack(w)
 
 
 def linear(
     x: torch.Tensor,  # [T, in], any row stride
-    w: torch.Tensor,  # packed by pack()
+    w,  # packed by pack(w, layout)
     b: torch.Tensor | None,  # [out]
+    layout: str,
 ) -> torch.Tensor:  # [T, out]
+    return cpu_linear.linear(x, w, b) if layout == "packed" else _onednn_linear(x, w, b)
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:  # w [out, in] float32 -> opaque packed weight
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.errors import ModelLoadError
-from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch
+from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_norm
 from loraplex.lora.types import MODULE_INDEX
 
 from . import cpu_gemm
@@ -38,7 +38,7 @@ WEIGHTS_IN_OUT_ON_CPU = True
 @dataclass(frozen=True)
 class LayerWeights:
     """Projection weights are [out, in] (checkpoint layout), [in, out] (LlamaModel.layout "in_out"), or
-    oneDNN's packed form of [out, in] ("onednn")."""
+    a packed form of [out, in] ("packed": cpu_linear.PackedWeight, "onednn": oneDNN's)."""
 
     input_norm: torch.Tensor  # [H]
     qkv: torch.Tensor  # [q + 2kv, H]  q, k and v fused: one GEMM instead of three
@@ -78,14 +78,27 @@ def rms_norm(
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(
+    h: torch.Tensor,  # [T, H] the residual stream
+    d: torch.Tensor,  # [T, H] what the layer adds to it
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (h + d, rms_norm(h + d)); fused: h is updated in place
+    if fused:
+        return h, cpu_norm.add_rms_norm(h, d, weight, eps)
+    h = h + d
+    return h, rms_norm(h, weight, eps)
+
+
 def linear(
     x: torch.Tensor,  # [T, in]
-    w: torch.Tensor,  # [out, in] ("out_in"), [in, out] ("in_out") or packed ("onednn")
+    w,  # [out, in] ("out_in"), [in, out] ("in_out") or packed ("packed", "onednn")
     b: torch.Tensor | None,  # [out]
     layout: str,
 ) -> torch.Tensor:  # [T, out]
-    if layout == "onednn":
-        return cpu_gemm.linear(x, w, b)
+    if layout in cpu_gemm.PACKED_LAYOUTS:
+        return cpu_gemm.linear(x, w, b, layout)
     if layout == "out_in":
         return F.linear(x, w, b)
     return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
@@ -102,10 +115,11 @@ class LlamaModel:
         self.dtype = dtype
         self.rope = RotaryEmbedding(cfg, device)
         self.scale = cfg.head_dim**-0.5
-        if cpu_gemm.choose(gemm, device, dtype):
-            self.layout = "onednn"
-        else:
-            self.layout = "in_out" if WEIGHTS_IN_OUT_ON_CPU and device.type == "cpu" else "out_in"
+        self.layout = cpu_gemm.choose(gemm, device, dtype) or (
+            "in_out" if WEIGHTS_IN_OUT_ON_CPU and device.type == "cpu" else "out_in")
+        packed = self.layout in cpu_gemm.PACKED_LAYOUTS
+        # The C++ norms where they build (CPU, float32): torch's rms_norm is ~10 ops per call.
+        self.fused_norm = device.type == "cpu" and dtype == torch.float32 and cpu_norm.available()
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = weights.get(name)
@@ -120,8 +134,8 @@ class LlamaModel:
 
         def proj(*ts: torch.Tensor) -> torch.Tensor:  # [out, in] pieces -> one weight in the GEMM layout
             w = cat(*ts)
-            if self.layout == "onednn":
-                return cpu_gemm.pack(w)
+            if packed:
+                return cpu_gemm.pack(w, self.layout)
             return w.t().contiguous() if self.layout == "in_out" else w
 
         self.embed = take("model.embed_tokens.weight")
@@ -132,10 +146,10 @@ class LlamaModel:
         self.final_norm = take("model.norm.weight")
         lm_head = None if cfg.tie_word_embeddings else take("lm_head.weight", required=False)
         head = lm_head if lm_head is not None else self.embed  # [V, H]
-        # oneDNN: packed (for a tied head, a copy: the packed form cannot serve the embedding lookup),
-        # 2-3x faster at decode batch sizes on the dev CPU, for 4 x vocab x hidden bytes more memory.
-        self.head_layout = "onednn" if self.layout == "onednn" else "out_in"
-        self.lm_head = cpu_gemm.pack(head) if self.layout == "onednn" else head
+        # Packed (for a tied head, a copy: the packed form cannot serve the embedding lookup): with
+        # oneDNN 2-3x faster at decode batch sizes on the dev CPU, for 4 x vocab x hidden bytes more memory.
+        self.head_layout = self.layout if packed else "out_in"
+        self.lm_head = cpu_gemm.pack(head, self.layout) if packed else head
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -174,12 +188,14 @@ class LlamaModel:
         qe, ke, ve = self.qkv_splits
         inter = cfg.intermediate_size
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        lay = self.layout  # "out_in" | "in_out" | "onednn": how the projection weights are held
+        lay = self.layout  # "out_in" | "in_out" | "packed" | "onednn": how the projection weights are held
         # Positions are the same in every layer: look up cos/sin once per step.
         cos, sin = self.rope.cos_sin(step.attn.positions, self.dtype)  # [T, hd]
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, hd], broadcast over heads
+        eps, fused, last = cfg.rms_norm_eps, self.fused_norm, len(self.layers) - 1
+        norm = cpu_norm.rms_norm if fused else rms_norm
+        x = norm(h, self.layers[0].input_norm, eps)
         for li, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
             qkv = linear(x, w.qkv, w.qkv_bias, lay)  # [T, q + 2kv]
             if lora is not None:
                 for mod, (lo, hi) in ((Q, (0, qe)), (K, (qe, ke)), (V, (ke, ve))):
@@ -193,8 +209,7 @@ class LlamaModel:
             o = linear(attn, w.o, w.o_bias, lay)  # [T, H]
             if lora is not None:
                 ops.apply_lora(o, attn, pool_rows, lora, li, O)
-            h = h + o
-            x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+            h, x = add_rms_norm(h, o, w.post_norm, eps, fused)
             gu = linear(x, w.gate_up, w.gate_up_bias, lay)  # [T, 2I]
             if lora is not None:
                 ops.apply_lora(gu[:, :inter], x, pool_rows, lora, li, GATE)
@@ -203,6 +218,10 @@ class LlamaModel:
             d = linear(act, w.down, w.down_bias, lay)  # [T, H]
             if lora is not None:
                 ops.apply_lora(d, act, pool_rows, lora, li, DOWN)
-            h = h + d
-        h = rms_norm(h.index_select(0, step.logits_index), self.final_norm, cfg.rms_norm_eps)
+            # The next layer's input norm, fused with this residual add.
+            if li < last:
+                h, x = add_rms_norm(h, d, self.layers[li + 1].input_norm, eps, fused)
+            else:
+                h = h + d
+        h = norm(h.index_select(0, step.logits_index), self.final_norm, eps)
         return linear(h, self.lm_head, None, self.head_layout).float()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, SamplingParams
-from loraplex.kernels import cpu_sgmv
+from loraplex.kernels import cpu_linear, cpu_norm, cpu_sgmv
 from loraplex.kernels.cpu_build import build_error
 from loraplex.models import cpu_gemm, llama
 from parity_setup import build_case, rel_err
@@ -62,18 +62,25 @@ def test_mixed_batch_matches_peft(case, kernels):
     assert llm.engine.stats().kv_pages == 0
 
 
-@pytest.mark.parametrize("layout", ["out_in", "in_out", "onednn"])
+@pytest.mark.parametrize("layout", ["out_in", "in_out", "packed", "onednn"])
 def test_every_weight_layout_matches_peft(case, layout, monkeypatch):
-    # On the CPU the model holds its projections packed for oneDNN where torch has it (gemm "auto"),
-    # else as [in, out] (gemm "mm"); the checkpoint layout [out, in] is what GPUs run. All three
-    # must give the same outputs.
-    if layout == "onednn" and not cpu_gemm.onednn_available():
+    # On the CPU the model holds its projections packed for the C++ kernel where it builds (gemm
+    # "auto"), else packed for oneDNN where torch has it, else as [in, out] (gemm "mm"); the
+    # checkpoint layout [out, in] is what GPUs run. All four must give the same outputs.
+    prepacked = {"packed": cpu_linear.available, "onednn": cpu_gemm.onednn_available}  # layout: usable here
+    if layout in prepacked and not prepacked[layout]():
+        why = (f"the C++ linear kernel did not build: {build_error('cpu_linear')}" if layout == "packed"
+               else "oneDNN's linear is not usable in this torch")
         if os.environ.get("CI"):
-            pytest.fail("oneDNN's linear is not usable in this torch")
-        pytest.skip("oneDNN's linear is not usable in this torch")
+            pytest.fail(why)
+        pytest.skip(why)
     monkeypatch.setattr(llama, "WEIGHTS_IN_OUT_ON_CPU", layout == "in_out")
-    llm = make_llm(case, max_num_batched_tokens=16, gemm="onednn" if layout == "onednn" else "mm")
+    if layout == "out_in":  # as on a GPU: torch's RMSNorm too, not the C++ one fused with the residual add
+        monkeypatch.setattr(cpu_norm, "available", lambda: False)
+    llm = make_llm(case, max_num_batched_tokens=16, gemm=layout if layout in prepacked else "mm")
     assert llm.engine.model.layout == layout
+    assert llm.engine.model.fused_norm == (layout != "out_in" and cpu_norm.available())
+    assert llm.engine.model.head_layout == (layout if layout in prepacked else "out_in")  # the LM head too
     outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
     check_outputs(case, outs)
 

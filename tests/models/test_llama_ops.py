@@ -1,4 +1,5 @@
-"""The model's small ops against transformers' own: RMSNorm (bit for bit) and RoPE on fused q/k heads."""
+"""The model's small ops against transformers' own: RMSNorm (bit for bit) and RoPE on fused q/k heads; its
+linear in every weight layout against float64, and which layout a gemm setting gives (cpu_gemm.choose)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from loraplex.config import EngineConfig
+from loraplex.errors import ConfigError
+from loraplex.kernels import cpu_linear
+from loraplex.kernels.cpu_build import build_error
 from loraplex.models import cpu_gemm
 from loraplex.models.config import model_config_from_dict
 from loraplex.models.llama import linear, rms_norm
@@ -53,15 +58,66 @@ def test_linear_layouts_agree(bias):
     assert torch.allclose(linear(x, w.t().contiguous(), b, "in_out"), ref)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_onednn_packed_linear_matches_float64(bias):
-    if not cpu_gemm.onednn_available():
+def _skip_unless_usable(layout: str) -> None:
+    if layout == "onednn" and not cpu_gemm.onednn_available():
         pytest.skip("this torch has no usable oneDNN linear")
+    if layout == "packed" and not cpu_linear.available():
+        pytest.skip(f"the C++ linear kernel did not build: {build_error('cpu_linear')}")
+
+
+@pytest.mark.parametrize("layout", cpu_gemm.PACKED_LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_float64(bias, layout):
+    _skip_unless_usable(layout)
     t, k, n = (int(v) for v in torch.randint(1, 300, (3,)))
     x = torch.randn(t, k + 3)[:, 2 : 2 + k]  # a column slice, as the model passes qkv and attention views
     w = torch.randn(n, k)  # [out, in]
     b = torch.randn(n) if bias else None
+    w_before = w.clone()
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    got = linear(x, cpu_gemm.pack(w), b, "onednn")
+    got = linear(x, cpu_gemm.pack(w, layout), b, layout)
+    assert torch.equal(w, w_before)
     assert got.shape == (t, n) and got.dtype == torch.float32
-    assert ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item() < 1e-5
+    # Against each element's float32 summation bound, sum_k |x w| + |b|: max |ref| could be a lone
+    # near-cancelled element when t and n are 1.
+    bound = x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())
+    assert ((got.double() - ref).abs() <= 1e-5 * bound).all(), (t, k, n)
+
+
+# -- cpu_gemm.choose: which layout a gemm setting gives ---------------------------------------------------
+
+
+def test_gemm_auto_prefers_the_packed_kernel_then_onednn_then_mm():
+    cpu = torch.device("cpu")
+    expected = "packed" if cpu_linear.available() else "onednn" if cpu_gemm.onednn_available() else None
+    assert cpu_gemm.choose("auto", cpu, torch.float32) == expected
+    # Where neither prepacked layout applies, auto quietly takes plain tensors (mm).
+    assert cpu_gemm.choose("auto", cpu, torch.float64) is None
+    assert cpu_gemm.choose("auto", cpu, torch.bfloat16) is None
+    assert cpu_gemm.choose("auto", torch.device("meta"), torch.float32) is None
+
+
+@pytest.mark.parametrize("layout", cpu_gemm.PACKED_LAYOUTS)
+def test_gemm_asked_by_name_is_held_or_refused(layout):
+    cpu = torch.device("cpu")
+    _skip_unless_usable(layout)
+    assert cpu_gemm.choose(layout, cpu, torch.float32) == layout
+    for device, dtype in [(cpu, torch.float64), (cpu, torch.float16), (torch.device("meta"), torch.float32)]:
+        with pytest.raises(ConfigError, match=f"gemm '{layout}' was asked for, but it runs only on the CPU in float32"):
+            cpu_gemm.choose(layout, device, dtype)
+
+
+def test_gemm_mm_keeps_plain_tensors():
+    for device, dtype in [(torch.device("cpu"), torch.float32), (torch.device("cpu"), torch.float64),
+                          (torch.device("meta"), torch.float16)]:
+        assert cpu_gemm.choose("mm", device, dtype) is None
+
+
+@pytest.mark.parametrize("name", ["bogus", "", "PACKED", "in_out", "out_in"])
+def test_gemm_unknown_name_is_refused(name):
+    assert name not in cpu_gemm.GEMM_CHOICES
+    with pytest.raises(ConfigError, match="is not one of auto, packed, onednn, mm"):
+        cpu_gemm.choose(name, torch.device("cpu"), torch.float32)
+    with pytest.raises(ConfigError, match="is not one of auto, packed, onednn, mm"):
+        EngineConfig(gemm=name)
+    EngineConfig(gemm="packed")  # a known name passes the config check, whether or not it runs here
