@@ -2,11 +2,12 @@
 // prepacked once, at model load, into panels of NR output columns: panels [P, K, NR], P = ceil(N / NR),
 // zero-padded past N.
 //
-// Why our own: MKL's sgemm repacks W on every call and oneDNN's prepacked linear, at SmolLM2's shapes
-// (K = 576 or 1536) on 2 threads, ran at 40-70% of the machine's 2048-square matmul rate for decode
-// batches (M 8-64) and prefill chunks (M 2048) alike (/tmp microbenchmark, RESULTS.md has the figures).
-// Here a panel row (NR floats) is two vector loads that serve MR rows of x: the weights stream from
-// memory once per block of MR rows and are FMA-bound above a few rows.
+// Why our own: MKL's sgemm repacks W on every call, and oneDNN's prepacked linear, at SmolLM2's shapes
+// (K = 576 or 1536) on 2 threads, is slow at decode batch sizes: timed call by call against it on the
+// dev CPU (benchmarks/cpu_linear_bench.py, RESULTS.md), this kernel ran 1.5-1.8x faster at 12 rows and
+// 1.2x at 64; at prefill chunks (2048 rows) the two are within a few percent. Here a panel row (NR
+// floats) is two vector loads that serve up to MR rows of x: the weights stream from memory once per
+// block of MR rows, and the block is FMA-bound above a few rows.
 //
 // Loops, outside in: threads split the panels (each writes its own columns, no reduction); a chunk of
 // MC rows of x (sized to stay in L2 while every panel of the thread passes over it); panels; blocks of

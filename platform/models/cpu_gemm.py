@@ -1,12 +1,12 @@
 """The base model's projections on the CPU: our C++ kernel or oneDNN, each weight prepacked once, or BLAS mm.
 
-Why oneDNN: torch's float32 CPU matmul calls MKL's sgemm, which repacks the weight into its panel
+Why prepacked: torch's float32 CPU matmul calls MKL's sgemm, which repacks the weight into its panel
 layout on every call; at decode batch sizes that repacking is a large part of the call. oneDNN's
-linear takes a weight reordered once, when the model loads, into the blocked layout its kernel reads.
-Measured on an AMD EPYC (Zen, AVX2, 2 threads, float32, x [64, K] at SmolLM2's shapes; the machine's
-own speed drifts by up to 1.4x over minutes, so each pair was timed back to back):
-gate/up 576 -> 3072: 58 vs 30 GFLOP/s; the LM head 576 -> 49152: 63 vs 22-30 GFLOP/s; the other
-projections 4-15% faster (/tmp script, see benchmarks/RESULTS.md for the engine-level figures).
+linear takes a weight reordered once, when the model loads (on an AMD EPYC, x [64, K]: gate/up 58
+vs 30 GFLOP/s for mm, the LM head 63 vs 22-30). Our kernel goes further at decode sizes: on the
+Intel dev CPU, a decode step of the default model took 34.5 / 54.1 / 137.5 ms at batch 1 / 12 / 64
+against oneDNN's 44.5 / 75.2 / 151.0 (two engines alternating steps), and prefill is even
+(benchmarks/cpu_linear_bench.py has the per-shape figures).
 
 "packed" (kernels/cpu_linear.cpp) holds each weight in panels of the kernel's vector width; "onednn"
 holds an opaque mkldnn tensor. Only `linear` below reads either. "auto" takes the first of packed,
