@@ -5,8 +5,8 @@ layout on every call; at decode batch sizes that repacking is a large part of th
 linear takes a weight reordered once, when the model loads (on an AMD EPYC, x [64, K]: gate/up 58
 vs 30 GFLOP/s for mm, the LM head 63 vs 22-30). Our kernel goes further at decode sizes: on the
 Intel dev CPU, a decode step of the default model took 34.5 / 54.1 / 137.5 ms at batch 1 / 12 / 64
-against oneDNN's 44.5 / 75.2 / 151.0 (two engines alternating steps), and prefill is even
-(benchmarks/cpu_linear_bench.py has the per-shape figures).
+against oneDNN's 44.5 / 75.2 / 151.0 (two engines alternating steps); at prefill sizes (256-2048
+rows) it is 5-13% slower per shape (benchmarks/cpu_linear_bench.py, RESULTS.md).
 
 "packed" (kernels/cpu_linear.cpp) holds each weight in panels of the kernel's vector width; "onednn"
 holds an opaque mkldnn tensor. Only `linear` below reads either. "auto" takes the first of packed,
