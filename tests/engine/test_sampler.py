@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from loraplex.engine.sampler import Sampler, make_generator
+from loraplex.engine.sampler import Sampler, exp_from_uniform, make_generator
 from loraplex.engine.sampling_params import SamplingParams
 
 
@@ -204,3 +204,16 @@ def test_mismatched_lengths_are_refused():
     with pytest.raises(ValueError, match=r"\[N, V\]"):
         Sampler().sample(torch.zeros(5), [SamplingParams()] * 5, [None] * 5)
     assert Sampler().sample(torch.zeros(0, 5), [], []).shape == (0,)
+
+
+def test_exponentials_are_finite_and_positive_at_the_uniform_extremes():
+    # u = 0 once gave q = inf: the row's only kept token then scored 0 and lost the argmax to token 0.
+    top = 1.0 - 2.0**-24  # the largest float32 below 1
+    u = torch.tensor([0.0, 2.0**-24, 0.5, top], dtype=torch.float32)
+    q = exp_from_uniform(u.clone())
+    assert bool(torch.isfinite(q).all()) and bool((q > 0).all())
+    assert q[2].item() == pytest.approx(math.log(2.0), rel=1e-6)
+    probs = torch.tensor([0.0, 1.0, 0.0])  # one kept token; whatever its q, it must win
+    for qk in q:
+        scores = probs / torch.tensor([1.0, qk.item(), 1.0])
+        assert int(scores.argmax()) == 1
