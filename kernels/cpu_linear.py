@@ -21,10 +21,6 @@ class PackedWeight:
     panels: torch.Tensor  # [P, in, NR] float32: panel p holds output columns p*NR .. p*NR + NR - 1
     out_features: int
 
-    @property
-    def in_features(self) -> int:
-        return self.panels.shape[1]
-
 
 def available() -> bool:
     return load_extension(STEM) is not None

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from loraplex.engine import LLM, SamplingParams
 from loraplex.kernels import cpu_linear, cpu_norm, cpu_sgmv
-from loraplex.kernels.cpu_build import build_error
 from loraplex.models import cpu_gemm, llama
+from native_kernels import require_built, skip_or_fail
 from parity_setup import build_case, rel_err
 
 ARCHS = ["llama", "qwen2", "mistral"]
@@ -52,8 +50,8 @@ def params(case):
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
 def test_mixed_batch_matches_peft(case, kernels):
     # "cpu": the C++ kernels that "auto" takes on the CPU where they build (CI builds them).
-    if kernels == "cpu" and not cpu_sgmv.available() and not os.environ.get("CI"):
-        pytest.skip(f"the C++ CPU kernels did not build: {build_error('cpu_sgmv')}")
+    if kernels == "cpu":
+        require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
     llm = make_llm(case, kernels=kernels)
     assert llm.engine.ops.name == kernels
     outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
@@ -68,12 +66,10 @@ def test_every_weight_layout_matches_peft(case, layout, monkeypatch):
     # "auto"), else packed for oneDNN where torch has it, else as [in, out] (gemm "mm"); the
     # checkpoint layout [out, in] is what GPUs run. All four must give the same outputs.
     prepacked = {"packed": cpu_linear.available, "onednn": cpu_gemm.onednn_available}  # layout: usable here
-    if layout in prepacked and not prepacked[layout]():
-        why = (f"the C++ linear kernel did not build: {build_error('cpu_linear')}" if layout == "packed"
-               else "oneDNN's linear is not usable in this torch")
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
+    if layout == "packed":
+        require_built("cpu_linear", cpu_linear.available(), "linear kernel")
+    elif layout == "onednn" and not cpu_gemm.onednn_available():
+        skip_or_fail("oneDNN's linear is not usable in this torch")
     monkeypatch.setattr(llama, "WEIGHTS_IN_OUT_ON_CPU", layout == "in_out")
     if layout == "out_in":  # as on a GPU: torch's RMSNorm too, not the C++ one fused with the residual add
         monkeypatch.setattr(cpu_norm, "available", lambda: False)

@@ -6,26 +6,20 @@ is part of what is tested.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_testkit import rel_err
 from loraplex.kernels import cpu_norm
-from loraplex.kernels.cpu_build import build_error
+from native_kernels import require_built
 
 FAST = settings(max_examples=40, deadline=None)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    if not cpu_norm.available():
-        msg = f"the C++ norm kernel did not build: {build_error('cpu_norm')}"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require_built("cpu_norm", cpu_norm.available(), "norm kernel")
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # float64 [T, H]

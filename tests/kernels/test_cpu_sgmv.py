@@ -7,14 +7,12 @@ the build error, except under CI, where the build is part of what is tested.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from kernel_testkit import rel_err
 from loraplex.kernels import cpu_sgmv
-from loraplex.kernels.cpu_build import build_error
+from native_kernels import require_built
 from sgmv_testkit import build_sgmv_case, sgmv_specs, touched_tokens
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -22,11 +20,7 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    if not cpu_sgmv.available():
-        msg = f"the C++ SGMV kernel did not build: {build_error('cpu_sgmv')}"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
 
 
 def _check(spec, dtype=torch.float32, tol=1e-5, column_slice=False):

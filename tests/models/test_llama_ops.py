@@ -10,11 +10,11 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from loraplex.config import EngineConfig
 from loraplex.errors import ConfigError
 from loraplex.kernels import cpu_linear
-from loraplex.kernels.cpu_build import build_error
 from loraplex.models import cpu_gemm
 from loraplex.models.config import model_config_from_dict
 from loraplex.models.llama import linear, rms_norm
 from loraplex.models.rope import RotaryEmbedding
+from native_kernels import require_built, skip_or_fail
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -60,9 +60,9 @@ def test_linear_layouts_agree(bias):
 
 def _skip_unless_usable(layout: str) -> None:
     if layout == "onednn" and not cpu_gemm.onednn_available():
-        pytest.skip("this torch has no usable oneDNN linear")
-    if layout == "packed" and not cpu_linear.available():
-        pytest.skip(f"the C++ linear kernel did not build: {build_error('cpu_linear')}")
+        skip_or_fail("this torch has no usable oneDNN linear")
+    if layout == "packed":
+        require_built("cpu_linear", cpu_linear.available(), "linear kernel")
 
 
 @pytest.mark.parametrize("layout", cpu_gemm.PACKED_LAYOUTS)

@@ -8,22 +8,17 @@ built the test skips with the build error, except under CI.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from loraplex.kernels.cpu_build import build_error, load_extension
+from loraplex.kernels.cpu_build import load_extension
 from loraplex.lora.types import TARGET_MODULES, LoraModuleWeights
 from loraplex.unified_pager import adapter_rows
+from native_kernels import require_built
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    if load_extension("cpu_pack") is None:
-        msg = f"the C++ packer did not build: {build_error('cpu_pack')}"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require_built("cpu_pack", load_extension("cpu_pack") is not None, "packer")
 
 
 def _modules(g: torch.Generator, dtype: torch.dtype, d: int) -> list[LoraModuleWeights]:
