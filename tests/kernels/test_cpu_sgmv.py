@@ -56,6 +56,21 @@ def test_cpu_sgmv_long_segments_into_column_slices(spec):
     _check(spec, column_slice=True)
 
 
+@FAST
+@given(spec=sgmv_specs(d_choices=(16, 32, 48, 64), max_requests=4, max_len=70, rank_step=8))
+def test_cpu_sgmv_blocked_long_segments(spec):
+    # Ranks that are multiples of 8 and rows as wide as a vector or more: segments longer than
+    # LONG_SEGMENT take the register-blocked path (token blocks of every size up to 12, the rank in
+    # chunks of 2, 1 vectors and 8 floats, column chunks of 2 vectors and of 1 where D ends).
+    _check(spec, column_slice=True)
+
+
+def test_blocked_path_takes_the_long_segments_it_can():
+    # Which long segments the kernel keeps (the rest go to BLAS): the rule the Python side mirrors.
+    assert cpu_sgmv.long_ok(16, 64) and cpu_sgmv.long_ok(8, 64) and cpu_sgmv.long_ok(256, 48)
+    assert not cpu_sgmv.long_ok(12, 64) and not cpu_sgmv.long_ok(264, 64) and not cpu_sgmv.long_ok(16, 12)
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=sgmv_specs())
 def test_float16_goes_to_the_torch_path_and_still_matches(spec):
