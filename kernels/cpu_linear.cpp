@@ -21,6 +21,7 @@
 #include <array>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -46,9 +47,18 @@ inline void store(float* p, vec v) { *reinterpret_cast<vec_u*>(p) = v; }
 // blocks compute on this one, the next one is already on its way (the hardware prefetchers stop at
 // every 4 KB page; a panel is 18 pages at K = 576). Without it the LM head, 113 MB read once per
 // step, ran at 144 GFLOP/s at 64 rows against oneDNN's 179.
+// LoRA epilogue of a block (linear_lora): acc += s @ B^T[:, the panel's columns], s [R, rank] (row
+// stride ss, scale applied), bcol[k] the panel's NR columns of B^T's row k. rank 0: none.
+struct Epilogue {
+  const float* s;
+  int64_t ss;
+  const float* const* bcol;
+  int rank;
+};
+
 template <int R>
 void block(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t K, float* __restrict y,
-           int64_t ys, int ncols, const float* __restrict bias, const float* next) {
+           int64_t ys, int ncols, const float* __restrict bias, const float* next, const Epilogue& lora) {
   vec a0[R], a1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = vec{};
@@ -63,6 +73,17 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
       const float xv = x[r * xs + k];
       a0[r] += xv * w0;
       a1[r] += xv * w1;
+    }
+  }
+  // The adapter's delta joins the accumulators before the one store: y is written once, where a
+  // separate SGMV pass would read and write it again (at prefill sizes, from L3 or memory).
+  for (int k = 0; k < lora.rank; ++k) {
+    const vec b0 = load(lora.bcol[k]), b1 = load(lora.bcol[k] + V);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float sv = lora.s[r * lora.ss + k];
+      a0[r] += sv * b0;
+      a1[r] += sv * b1;
     }
   }
   vec b0{}, b1{};
@@ -83,7 +104,7 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
 }
 
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int, const float*,
-                         const float*);
+                         const float*, const Epilogue&);
 
 template <int... Rs>
 constexpr std::array<BlockFn, sizeof...(Rs)> block_table(std::integer_sequence<int, Rs...>) {
@@ -93,24 +114,54 @@ constexpr auto BLOCKS = block_table(std::make_integer_sequence<int, MR>{});  // 
 
 // Rows [m0, m0 + m) of x against one panel, in ceil(m / MR) blocks whose sizes differ by at most one.
 void rows_by_panel(const float* x, int64_t xs, int64_t m0, int64_t m, const float* w, int64_t K, float* y,
-                   int64_t ys, int ncols, const float* bias, const float* next) {
+                   int64_t ys, int ncols, const float* bias, const float* next, const Epilogue& lora) {
   const int64_t nb = (m + MR - 1) / MR;
   const int64_t base = m / nb, extra = m % nb;
   int64_t r0 = m0;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t rows = base + (b < extra ? 1 : 0);
-    BLOCKS[rows - 1](x + r0 * xs, xs, w, K, y + r0 * ys, ys, ncols, bias, b == 0 ? next : nullptr);
+    const Epilogue e{lora.s == nullptr ? nullptr : lora.s + (r0 - m0) * lora.ss, lora.ss, lora.bcol, lora.rank};
+    BLOCKS[rows - 1](x + r0 * xs, xs, w, K, y + r0 * ys, ys, ncols, bias, b == 0 ? next : nullptr, e);
     r0 += rows;
   }
 }
 
-}  // namespace
+// Where the adapters' deltas go in linear_lora: the rows of each segment (one adapter) and, per panel,
+// that adapter's B^T columns, read in place from the unified pool through the segment's page table
+// (pool: [pages * rows_per_page, D] rows; logical row l of an adapter lives in page table[l / rows_per_page]).
+struct LoraPlan {
+  static constexpr int MAX_RANK = 256;
+  struct Piece { int64_t r0, r1, seg; };  // rows [r0, r1) of segment seg (-1: no adapter)
+  std::vector<Piece> pieces;               // in row order, covering every row
+  const float* s = nullptr;                // [M, W] shrink outputs, scale applied
+  int64_t ss = 0;
+  const float* pool = nullptr;
+  int64_t d = 0, page_elems = 0;
+  const int32_t* layout = nullptr;  // [S, L, NM, 3]: rank, a_row, b_row (logical rows)
+  int64_t num_layers = 0, num_modules = 0, layer = 0;
+  const int32_t* pages = nullptr;  // [S, max_pages]
+  int64_t max_pages = 0;
+  std::vector<int64_t> modules, bounds, s_cols;  // module i: output columns [bounds[i], bounds[i + 1])
 
-int64_t panel_width() { return NR; }
+  // The epilogue of segment seg's rows (from row r) at panel columns [c, c + NR).
+  Epilogue at(int64_t seg, int64_t r, int64_t c, const float** bcol) const {
+    size_t i = 0;
+    while (c >= bounds[i + 1]) ++i;
+    const int32_t* l = layout + ((seg * num_layers + layer) * num_modules + modules[i]) * 3;
+    const int rank = l[0];
+    const int64_t out = bounds[i + 1] - bounds[i];
+    for (int k = 0; k < rank; ++k) {
+      // B^T [rank, out] is stored row-major from logical row b_row; NR columns lie in one D-wide pool row.
+      const int64_t e = static_cast<int64_t>(l[2]) * d + k * out + (c - bounds[i]);
+      const int64_t page = e / page_elems;
+      bcol[k] = pool + static_cast<int64_t>(pages[seg * max_pages + page]) * page_elems + (e - page * page_elems);
+    }
+    return Epilogue{s + r * ss + s_cols[i], ss, bcol, rank};
+  }
+};
 
-// x [M, K] float32 (rows may be strided, columns contiguous); panels [P, K, NR] (pack_panels);
-// bias [N] or None. Returns y [M, N] float32, contiguous.
-torch::Tensor linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n) {
+torch::Tensor run(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n,
+                  const LoraPlan* plan) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
                   (x.stride(1) == 1 || x.size(1) <= 1 || x.numel() == 0),  // a size-1 dim's stride is arbitrary
               "x must be a 2-D float32 CPU tensor with contiguous rows");
@@ -128,23 +179,103 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch:
   }
   torch::Tensor y = torch::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || n == 0) return y;
-  if (K == 0) return bp != nullptr ? y.copy_(bias->expand({M, n})) : y.zero_();
+  if (K == 0 && plan == nullptr) return bp != nullptr ? y.copy_(bias->expand({M, n})) : y.zero_();
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  const int64_t chunk = std::max<int64_t>(MR, X_CHUNK_BYTES / (K * 4) / MR * MR);
+  const int64_t chunk = std::max<int64_t>(MR, X_CHUNK_BYTES / (std::max<int64_t>(K, 1) * 4) / MR * MR);
+  const LoraPlan::Piece whole{0, M, -1};
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    const float* bcol[LoraPlan::MAX_RANK];
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t m = std::min(chunk, M - m0);
+      const int64_t m1 = std::min(chunk, M - m0) + m0;
       for (int64_t p = p0; p < p1; ++p) {
         const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-        rows_by_panel(xp, xs, m0, m, wp + p * K * NR, K, yp + p * NR, n, ncols, bp == nullptr ? nullptr : bp + p * NR,
-                      p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr);
+        const float* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
+        const LoraPlan::Piece* pc = plan != nullptr ? plan->pieces.data() : &whole;
+        const LoraPlan::Piece* end = pc + (plan != nullptr ? plan->pieces.size() : 1);
+        for (; pc != end; ++pc) {  // the chunk's rows cut where the adapter changes
+          const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
+          if (a >= b) continue;
+          const Epilogue e = pc->seg >= 0 ? plan->at(pc->seg, a, p * NR, bcol) : Epilogue{nullptr, 0, nullptr, 0};
+          rows_by_panel(xp, xs, a, b - a, wp + p * K * NR, K, yp + p * NR, n, ncols,
+                        bp == nullptr ? nullptr : bp + p * NR, next, e);
+          next = nullptr;
+        }
       }
     }
   });
   return y;
+}
+
+}  // namespace
+
+int64_t panel_width() { return NR; }
+
+// x [M, K] float32 (rows may be strided, columns contiguous); panels [P, K, NR] (pack_panels);
+// bias [N] or None. Returns y [M, N] float32, contiguous.
+torch::Tensor linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n) {
+  return run(x, panels, bias, n, nullptr);
+}
+
+// linear, plus each segment's LoRA delta: y[seg rows, module i's columns] += s[seg rows, s_cols[i] :
+// s_cols[i] + rank] @ B^T (s from cpu_sgmv.shrink, scale applied). The segment table is the batch's
+// LoraDeviceTensors (seg_start/seg_len [S], layout [S, L, 7, 3], pages [S, P], int32); modules[i]
+// owns output columns [bounds[i], bounds[i + 1]). Needs D and every bound a multiple of NR (a panel
+// lies in one module and its B^T columns in one pool row); segments must not overlap.
+torch::Tensor linear_lora(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n,
+                          torch::Tensor s, torch::Tensor pool_rows, torch::Tensor seg_start, torch::Tensor seg_len,
+                          torch::Tensor layout, torch::Tensor pages, int64_t rows_per_page, int64_t layer,
+                          std::vector<int64_t> modules, std::vector<int64_t> bounds, std::vector<int64_t> s_cols) {
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == at::kFloat && s.stride(1) == 1 && s.size(0) == x.size(0),
+              "s must be float32 [M, W] with contiguous columns");
+  TORCH_CHECK(pool_rows.dim() == 2 && pool_rows.scalar_type() == at::kFloat && pool_rows.is_contiguous(),
+              "pool_rows must be a contiguous float32 [R, D] tensor");
+  TORCH_CHECK(layout.dim() == 4 && layout.size(3) == 3 && layout.scalar_type() == at::kInt && layout.is_contiguous() &&
+                  pages.dim() == 2 && pages.scalar_type() == at::kInt && pages.is_contiguous() &&
+                  seg_start.scalar_type() == at::kInt && seg_len.scalar_type() == at::kInt &&
+                  seg_start.is_contiguous() && seg_len.is_contiguous(),
+              "segment tables: contiguous int32");
+  const int64_t d = pool_rows.size(1), S = seg_start.size(0), M = x.size(0);
+  TORCH_CHECK(d % NR == 0, "the pool row width ", d, " is not a multiple of the panel width ", NR);
+  TORCH_CHECK(modules.size() + 1 == bounds.size() && modules.size() == s_cols.size() && !modules.empty(),
+              "one s column and one column range per module");
+  TORCH_CHECK(bounds.front() == 0 && bounds.back() == n, "module columns must cover the output");
+  TORCH_CHECK(layer >= 0 && layer < layout.size(1), "layer out of range");
+  LoraPlan plan;
+  plan.s = s.data_ptr<float>(), plan.ss = s.stride(0);
+  plan.pool = pool_rows.data_ptr<float>(), plan.d = d, plan.page_elems = rows_per_page * d;
+  plan.layout = layout.data_ptr<int32_t>(), plan.num_layers = layout.size(1), plan.num_modules = layout.size(2);
+  plan.layer = layer, plan.pages = pages.data_ptr<int32_t>(), plan.max_pages = pages.size(1);
+  for (size_t i = 0; i < modules.size(); ++i) {
+    TORCH_CHECK(bounds[i] % NR == 0 && bounds[i + 1] > bounds[i] && (bounds[i + 1] - bounds[i]) % d == 0,
+                "module columns must be non-empty multiples of the panel width and of D");
+    TORCH_CHECK(modules[i] >= 0 && modules[i] < plan.num_modules, "module out of range");
+    for (int64_t g = 0; g < S; ++g) {
+      const int32_t rank = plan.layout[((g * plan.num_layers + layer) * plan.num_modules + modules[i]) * 3];
+      TORCH_CHECK(rank >= 0 && rank <= LoraPlan::MAX_RANK && s_cols[i] + rank <= s.size(1),
+                  "rank ", rank, " does not fit s or the epilogue");
+    }
+  }
+  plan.modules = std::move(modules), plan.bounds = std::move(bounds), plan.s_cols = std::move(s_cols);
+  std::vector<std::pair<int64_t, int64_t>> segs;  // (start, segment)
+  const int32_t* st = seg_start.data_ptr<int32_t>();
+  const int32_t* ln = seg_len.data_ptr<int32_t>();
+  for (int64_t g = 0; g < S; ++g) {
+    TORCH_CHECK(st[g] >= 0 && ln[g] >= 0 && st[g] + ln[g] <= M, "segment outside the batch");
+    if (ln[g] > 0) segs.emplace_back(st[g], g);
+  }
+  std::sort(segs.begin(), segs.end());
+  int64_t r = 0;
+  for (const auto& [start, g] : segs) {
+    TORCH_CHECK(start >= r, "segments overlap");
+    if (start > r) plan.pieces.push_back({r, start, -1});
+    plan.pieces.push_back({start, start + ln[g], g});
+    r = start + ln[g];
+  }
+  if (r < M) plan.pieces.push_back({r, M, -1});
+  return run(x, panels, bias, n, &plan);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -152,4 +283,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs: the server's threads keep going meanwhile.
   m.def("linear", &linear, "y = x @ W^T (+ bias) with W packed in panels", py::arg("x"), py::arg("panels"),
         py::arg("bias"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
+  m.def("linear_lora", &linear_lora, "linear with each segment's LoRA expand in the epilogue",
+        py::call_guard<py::gil_scoped_release>());
 }

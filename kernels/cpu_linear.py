@@ -26,13 +26,21 @@ def available() -> bool:
     return load_extension(STEM) is not None
 
 
+def panel_width() -> int:
+    """NR, the output columns of one panel in this machine's build (32 with AVX-512, 16 with AVX2)."""
+    ext = load_extension(STEM)
+    if ext is None:
+        raise RuntimeError("the C++ linear kernel is not built here (kernels.cpu_build.build_error('cpu_linear'))")
+    return ext.panel_width()
+
+
 def pack(w: torch.Tensor) -> PackedWeight:  # w [out, in] float32 on the CPU
     ext = load_extension(STEM)
     if ext is None:
         raise RuntimeError("the C++ linear kernel is not built here (kernels.cpu_build.build_error('cpu_linear'))")
     if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
         raise ValueError(f"pack takes a 2-D float32 CPU weight, got {tuple(w.shape)} {w.dtype} on {w.device}")
-    nr = ext.panel_width()
+    nr = panel_width()
     out, k = w.shape
     p = -(-out // nr)
     padded = torch.zeros(p * nr, k, dtype=w.dtype)

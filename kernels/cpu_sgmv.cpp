@@ -108,6 +108,7 @@ inline void shrink(float (*__restrict s)[MAX_RANK], const float* __restrict x, i
 #pragma GCC unroll 4
       for (int q = 0; q < P; ++q) {
         const float* __restrict a = cur.next(R, buf);  // used before the next call
+        __builtin_prefetch(a + 32 * 16, 0, 2);  // 2 KB ahead (harmless where it runs past a page)
         const float xv = x[i + q];
 #pragma omp simd
         for (int j = 0; j < R; ++j) acc[q][j] += xv * a[j];
@@ -187,16 +188,50 @@ inline void expand(float* __restrict y, int64_t y_stride, const float (*__restri
   }
 }
 
+// n (< SHRINK_NT) tokens with a compile-time count: shrink<R, n>.
+template <int R, int N = 1>
+inline void shrink_n(int n, float (*s)[MAX_RANK], const float* x, int64_t xs, const Pages& pg, int64_t a, int rank,
+                     int64_t in, float scale) {
+  if constexpr (N < SHRINK_NT) {
+    if (n == N) shrink<R, N>(s, x, xs, N, pg, a, rank, in, scale);
+    else shrink_n<R, N + 1>(n, s, x, xs, pg, a, rank, in, scale);
+  }
+}
+
 template <int R>
 void shrink_block(float (*s)[MAX_RANK], const float* x, int64_t xs, int nt, const Pages& pg, int64_t a, int rank,
                   int64_t in, float scale) {
-  // Full blocks of TB tokens and lone tokens (decode) have fixed-size kernels; other counts the generic one.
-  if (nt == TB) {
-    for (int t0 = 0; t0 < TB; t0 += SHRINK_NT)
-      shrink<R, SHRINK_NT>(s + t0, x + t0 * xs, xs, SHRINK_NT, pg, a, rank, in, scale);
+  // Fixed-size kernels for every token count: decode batches where a few requests share an adapter
+  // make segments of 2-7 tokens, which the runtime-count loops read at 14 GB/s (dev CPU, 2 threads,
+  // 30 adapters per layer, 3 tokens each) where one token's kernel reaches 21.
+  int t0 = 0;
+  for (; t0 + SHRINK_NT <= nt; t0 += SHRINK_NT)
+    shrink<R, SHRINK_NT>(s + t0, x + t0 * xs, xs, SHRINK_NT, pg, a, rank, in, scale);
+  if (t0 < nt) shrink_n<R>(nt - t0, s + t0, x + t0 * xs, xs, pg, a, rank, in, scale);
+}
+
+// n (< EXPAND_NT) tokens with a compile-time count: expand<n>.
+template <int N = 1>
+inline void expand_n(int n, float* y, int64_t ys, const float (*s)[MAX_RANK], const float* const* rows, int rank,
+                     int64_t out, int64_t d) {
+  if constexpr (N < EXPAND_NT) {
+    if (n == N) expand<N>(y, ys, s, N, rows, rank, out, d);
+    else expand_n<N + 1>(n, y, ys, s, rows, rank, out, d);
   }
-  else if (nt == 1) shrink<R, 1>(s, x, xs, nt, pg, a, rank, in, scale);
-  else shrink<0, 0>(s, x, xs, nt, pg, a, rank, in, scale);
+}
+
+// Pointers to the n pool rows (d elements each) of a matrix stored from logical element e on: one
+// division per page crossed, not per row.
+std::vector<const float*> b_rows(const Pages& pg, int64_t e, int64_t n, int64_t d) {
+  std::vector<const float*> rows(n);
+  int64_t run;
+  const float* p = pg.at(e, &run);
+  for (int64_t j = 0; j < n; ++j) {
+    if (run < d) p = pg.at(e + j * d, &run);
+    rows[j] = p;
+    p += d, run -= d;
+  }
+  return rows;
 }
 
 // y[t0:t0+nt, :out] += scale * (x[t0:t0+nt] @ A^T) @ B^T for one adapter.
@@ -204,31 +239,23 @@ void apply_block(float* __restrict y, int64_t y_stride, const float* __restrict 
                  const Pages& pg, int64_t a_elem, int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d,
                  float scale) {
   alignas(64) float s[TB][MAX_RANK];
+  // B^T's pool rows, found once for the block; asked for now, so that their reads from memory overlap
+  // the shrink's (a decode token's adapter is read once, and one stream of A^T at a time left the
+  // memory bus idle for part of the step).
+  const std::vector<const float*> rows = b_rows(pg, b_elem, rank * out / d, d);
+  for (const float* r : rows)
+    for (int64_t off = 0; off < d; off += 64 / sizeof(float)) __builtin_prefetch(r + off, 0, 2);
   switch (rank) {
     case 8: shrink_block<8>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
     case 16: shrink_block<16>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
     case 32: shrink_block<32>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
     default: shrink<0, 0>(s, x, x_stride, nt, pg, a_elem, rank, in, scale);
   }
-  // B^T's pool rows, found once for the block (one division per page crossed, not per chunk).
-  const int64_t nrows = rank * out / d;
-  std::vector<const float*> rows(nrows);
-  {
-    int64_t run;
-    const float* p = pg.at(b_elem, &run);
-    for (int64_t j = 0; j < nrows; ++j) {
-      if (run < d) p = pg.at(b_elem + j * d, &run);
-      rows[j] = p;
-      p += d, run -= d;
-    }
-  }
   // EXPAND_NT tokens x W columns of accumulators: half the vector registers (8 tokens would spill).
-  if (nt == TB) {
-    for (int t0 = 0; t0 < TB; t0 += EXPAND_NT)
-      expand<EXPAND_NT>(y + t0 * y_stride, y_stride, s + t0, EXPAND_NT, rows.data(), rank, out, d);
-  }
-  else if (nt == 1) expand<1>(y, y_stride, s, nt, rows.data(), rank, out, d);
-  else expand<0>(y, y_stride, s, nt, rows.data(), rank, out, d);
+  int t0 = 0;
+  for (; t0 + EXPAND_NT <= nt; t0 += EXPAND_NT)
+    expand<EXPAND_NT>(y + t0 * y_stride, y_stride, s + t0, EXPAND_NT, rows.data(), rank, out, d);
+  if (t0 < nt) expand_n(nt - t0, y + t0 * y_stride, y_stride, s + t0, rows.data(), rank, out, d);
 }
 
 // ---- Long segments (prefill chunks): register-blocked, as cpu_linear.cpp's GEMM --------------------
@@ -265,13 +292,19 @@ bool long_ok(int64_t rank, int64_t d) { return rank > 0 && rank <= MAX_RANK && r
 // s[r][c0 : c0 + NV*w] = x_r @ A^T[:, c0 : ...] for R tokens (w = the vector width of T); arow[k]: row k of A^T.
 template <int R, int NV, typename T>
 void shrink_chunk(const float* __restrict x, int64_t xs, const float* const* __restrict arow, int64_t K, int c0,
-                  float (*__restrict s)[MAX_RANK]) {
+                  float (*__restrict s)[MAX_RANK], bool prefetch) {
   constexpr int W = sizeof(T) / sizeof(float);
   T acc[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = T{};
   for (int64_t k = 0; k < K; ++k) {
+    // The next R rows of x (the next block's), one cache line per row every 16 steps: at prefill
+    // sizes x comes from L3, and 12 rows of it are more streams than the hardware prefetchers follow.
+    if (prefetch && (k & 15) == 0) {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) __builtin_prefetch(x + (R + r) * xs + k, 0, 3);
+    }
     T a[NV];
     for (int v = 0; v < NV; ++v) a[v] = vload<T>(arow[k] + c0 + v * W);
 #pragma GCC unroll 16
@@ -306,18 +339,25 @@ void expand_chunk(float* __restrict y, int64_t ys, const float (*__restrict s)[M
     for (int v = 0; v < NV; ++v) vstore<vecv>(y + r * ys + v * VEC, vload<vecv>(y + r * ys + v * VEC) + acc[r][v]);
 }
 
-// One block of R tokens: shrink in chunks of 2, 1 vectors (and 8 floats), scale, then expand over
-// every column chunk. bptr[k * (out / d) + j]: pool row j of B^T's row k.
+// s[r][:rank] = scale * x_r @ A^T for R tokens: the rank in chunks of 2, 1 vectors (and 8 floats).
+template <int R>
+void shrink_rows(const float* x, int64_t xs, const float* const* arow, int64_t K, int rank, float scale,
+                 float (*s)[MAX_RANK]) {
+  int c = 0;
+  for (; c + 2 * VEC <= rank; c += 2 * VEC) shrink_chunk<R, 2, vecv>(x, xs, arow, K, c, s, c == 0);
+  if (c + VEC <= rank) shrink_chunk<R, 1, vecv>(x, xs, arow, K, c, s, c == 0), c += VEC;
+  if (c < rank) shrink_chunk<R, 1, vec8>(x, xs, arow, K, c, s, c == 0);  // rank % VEC == 8 (AVX-512 only)
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < rank; ++j) s[r][j] *= scale;
+}
+
+// One block of R tokens: shrink, then expand over every column chunk. bptr[k * (out / d) + j]: pool
+// row j of B^T's row k.
 template <int R>
 void long_block(float* y, int64_t ys, const float* x, int64_t xs, const float* const* arow, int64_t K,
                 const float* const* bptr, int rank, int64_t out, int64_t d, float scale) {
   alignas(64) float s[R][MAX_RANK];
-  int c = 0;
-  for (; c + 2 * VEC <= rank; c += 2 * VEC) shrink_chunk<R, 2, vecv>(x, xs, arow, K, c, s);
-  if (c + VEC <= rank) shrink_chunk<R, 1, vecv>(x, xs, arow, K, c, s), c += VEC;
-  if (c < rank) shrink_chunk<R, 1, vec8>(x, xs, arow, K, c, s);  // rank % VEC == 8 (AVX-512 only)
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < rank; ++j) s[r][j] *= scale;
+  shrink_rows<R>(x, xs, arow, K, rank, scale, s);
   const int64_t per_k = out / d;
   const float* bcol[MAX_RANK];
   for (int64_t col = 0; col < out;) {
@@ -338,16 +378,20 @@ constexpr std::array<LongFn, sizeof...(Rs)> long_table(std::integer_sequence<int
 }
 constexpr auto LONG_BLOCKS = long_table(std::make_integer_sequence<int, LMR>{});  // [r - 1]: r tokens
 
-// Tokens [0, nt) of one segment's rows in balanced blocks of at most LMR. The pointer tables are
-// built once per item: arow (K rows of A^T, a row that crosses a page copied into `spill`) and
-// bptr (B^T's pool rows).
-void long_item(float* y, int64_t ys, const float* x, int64_t xs, int64_t nt, const Pages& pg, int64_t a_elem,
-               int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d, float scale) {
-  // One division per page crossed, not per row: for 48 tokens of rank 16 a division per row cost
-  // about a third of the arithmetic.
+using ShrinkFn = void (*)(const float*, int64_t, const float* const*, int64_t, int, float, float (*)[MAX_RANK]);
+template <int... Rs>
+constexpr std::array<ShrinkFn, sizeof...(Rs)> shrink_table(std::integer_sequence<int, Rs...>) {
+  return {&shrink_rows<Rs + 1>...};
+}
+constexpr auto SHRINK_BLOCKS = shrink_table(std::make_integer_sequence<int, LMR>{});
+
+// Pointers to the `in` rows of A^T (rank floats each, from logical element a_elem); a row that crosses
+// a page is copied into spill. One division per page crossed, not per row: for 48 tokens of rank 16 a
+// division per row cost about a third of the arithmetic.
+std::vector<const float*> a_rows(const Pages& pg, int64_t a_elem, int rank, int64_t in, std::vector<float>& spill) {
   std::vector<const float*> arow(in);
-  std::vector<float> spill;
-  spill.reserve(static_cast<size_t>((in * rank / pg.page_elems + 2) * rank));
+  spill.assign(static_cast<size_t>((in * rank / pg.page_elems + 2) * rank), 0.f);
+  size_t used = 0;
   int64_t run;
   const float* p = pg.at(a_elem, &run);
   for (int64_t k = 0; k < in; ++k) {
@@ -355,70 +399,99 @@ void long_item(float* y, int64_t ys, const float* x, int64_t xs, int64_t nt, con
       arow[k] = p;
       p += rank, run -= rank;
     } else {
-      const size_t at = spill.size();
-      spill.resize(at + rank);  // within the reserve: earlier pointers into spill stay valid
-      arow[k] = pg.span(a_elem + k * rank, rank, spill.data() + at);
+      arow[k] = pg.span(a_elem + k * rank, rank, spill.data() + used);
+      used += rank;
       if (k + 1 < in) p = pg.at(a_elem + (k + 1) * rank, &run);
     }
   }
-  const int64_t nrows = rank * out / d;
-  std::vector<const float*> bptr(nrows);
-  p = pg.at(b_elem, &run);
-  for (int64_t j = 0; j < nrows; ++j) {
-    if (run < d) p = pg.at(b_elem + j * d, &run);
-    bptr[j] = p;
-    p += d, run -= d;
-  }
+  return arow;
+}
+
+// Balanced blocks of at most LMR tokens: fn(first token, block size) for each.
+template <typename Fn>
+void in_blocks(int64_t nt, Fn fn) {
   const int64_t nb = (nt + LMR - 1) / LMR;
   const int64_t base = nt / nb, extra = nt % nb;
   int64_t t = 0;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t rows = base + (b < extra ? 1 : 0);
-    LONG_BLOCKS[rows - 1](y + t * ys, ys, x + t * xs, xs, arow.data(), in, bptr.data(), rank, out, d, scale);
+    fn(t, rows);
     t += rows;
   }
 }
 
+// Tokens [0, nt) of one segment's rows in balanced blocks of at most LMR; the pointer tables (A^T's
+// rows, B^T's pool rows) are built once per item.
+void long_item(float* y, int64_t ys, const float* x, int64_t xs, int64_t nt, const Pages& pg, int64_t a_elem,
+               int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d, float scale) {
+  std::vector<float> spill;
+  const std::vector<const float*> arow = a_rows(pg, a_elem, rank, in, spill);
+  const std::vector<const float*> bptr = b_rows(pg, b_elem, rank * out / d, d);
+  in_blocks(nt, [&](int64_t t, int64_t rows) {
+    LONG_BLOCKS[rows - 1](y + t * ys, ys, x + t * xs, xs, arow.data(), in, bptr.data(), rank, out, d, scale);
+  });
+}
+
 }  // namespace
+
+// The segment table of one batch (LoraDeviceTensors): seg_start/seg_len [S] int32; layout [S, L, 7, 3]
+// int32 (rank, a_row, b_row: logical rows); scales [S, L, 7] float32; pages [S, P] int32 (each
+// segment's page table, padded); pool_rows [R, D] contiguous float32.
+struct SegTables {
+  const int32_t *st, *ln, *lay, *pg;
+  const float* sc;
+  const float* pool;
+  int64_t num_segs, num_layers, num_modules, max_pages, d, page_elems;
+
+  SegTables(const torch::Tensor& pool_rows, const torch::Tensor& seg_start, const torch::Tensor& seg_len,
+            const torch::Tensor& layout, const torch::Tensor& scales, const torch::Tensor& pages,
+            int64_t rows_per_page, int64_t layer) {
+    TORCH_CHECK(pool_rows.scalar_type() == at::kFloat && pool_rows.is_contiguous() && pool_rows.dim() == 2,
+                "pool_rows must be a contiguous float32 [R, D] tensor");
+    TORCH_CHECK(layout.is_contiguous() && scales.is_contiguous() && pages.is_contiguous() &&
+                    seg_start.is_contiguous() && seg_len.is_contiguous(),
+                "segment tables must be contiguous");
+    TORCH_CHECK(layout.scalar_type() == at::kInt && pages.scalar_type() == at::kInt &&
+                    seg_start.scalar_type() == at::kInt && seg_len.scalar_type() == at::kInt &&
+                    scales.scalar_type() == at::kFloat,
+                "segment tables: int32 (layout, pages, starts, lengths) and float32 (scales)");
+    num_segs = seg_start.size(0), num_layers = layout.size(1), num_modules = layout.size(2);
+    TORCH_CHECK(layer >= 0 && layer < num_layers, "layer out of range");
+    st = seg_start.data_ptr<int32_t>(), ln = seg_len.data_ptr<int32_t>(), lay = layout.data_ptr<int32_t>();
+    sc = scales.data_ptr<float>(), pg = pages.data_ptr<int32_t>(), pool = pool_rows.data_ptr<float>();
+    max_pages = pages.size(1), d = pool_rows.size(1), page_elems = rows_per_page * d;
+  }
+  // (rank, a_row, b_row) of segment s's (layer, module), and its scale
+  const int32_t* entry(int64_t s, int64_t layer, int64_t module) const {
+    return lay + ((s * num_layers + layer) * num_modules + module) * 3;
+  }
+  float scale(int64_t s, int64_t layer, int64_t module) const {
+    return sc[(s * num_layers + layer) * num_modules + module];
+  }
+  Pages pages_of(int64_t s) const { return Pages{pool, pg + s * max_pages, page_elems}; }
+};
 
 // Segments longer than max_len take the register-blocked path where long_ok(rank, D) holds; the
 // others are left to the caller (a BLAS GEMM multiplies them faster than the token-block loops).
 // y [T, out] (rows may be strided, columns contiguous: a column slice of a fused projection) is
-// updated in place; x [T, in]; pool_rows [R, D] contiguous float32; seg_start/seg_len [S] int32;
-// layout [S, L, 7, 3] int32 (rank, a_row, b_row: logical rows); scales [S, L, 7] float32;
-// pages [S, P] int32 (each segment's page table, padded).
+// updated in place; x [T, in]; the other arguments: SegTables.
 void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
                 torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
                 int64_t rows_per_page, int64_t layer, int64_t module, int64_t max_len) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && pool_rows.scalar_type() == at::kFloat,
-              "cpu_sgmv.apply_lora takes float32 tensors");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat, "cpu_sgmv.apply_lora takes float32 tensors");
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y [T, out] and x [T, in] expected");
   TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "y and x need contiguous columns");
-  TORCH_CHECK(pool_rows.is_contiguous() && pool_rows.dim() == 2, "pool_rows must be a contiguous [R, D] tensor");
-  TORCH_CHECK(layout.is_contiguous() && scales.is_contiguous() && pages.is_contiguous() &&
-                  seg_start.is_contiguous() && seg_len.is_contiguous(),
-              "segment tables must be contiguous");
-  TORCH_CHECK(layout.scalar_type() == at::kInt && pages.scalar_type() == at::kInt &&
-                  seg_start.scalar_type() == at::kInt && seg_len.scalar_type() == at::kInt &&
-                  scales.scalar_type() == at::kFloat,
-              "segment tables: int32 (layout, pages, starts, lengths) and float32 (scales)");
-  const int64_t num_segs = seg_start.size(0);
-  const int64_t num_layers = layout.size(1), num_modules = layout.size(2);
-  TORCH_CHECK(layer >= 0 && layer < num_layers && module >= 0 && module < num_modules, "layer/module out of range");
-  const int64_t d = pool_rows.size(1), in = x.size(1), out = y.size(1), T = y.size(0);
+  const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
+  TORCH_CHECK(module >= 0 && module < tb.num_modules, "module out of range");
+  const int64_t d = tb.d, in = x.size(1), out = y.size(1), T = y.size(0);
   TORCH_CHECK(out % d == 0, "out features must be a multiple of the pool row width");
-  const int64_t page_elems = rows_per_page * d;
-  const int32_t* st = seg_start.data_ptr<int32_t>();
-  const int32_t* ln = seg_len.data_ptr<int32_t>();
-  const int32_t* lay = layout.data_ptr<int32_t>();
-  const float* sc = scales.data_ptr<float>();
-  const int32_t* pg = pages.data_ptr<int32_t>();
-  const int64_t max_pages = pages.size(1);
+  const int32_t* st = tb.st;
+  const int32_t* ln = tb.ln;
 
   struct Item { int64_t seg; int64_t t0; int nt; bool blocked; };
   std::vector<Item> items;
-  for (int64_t s = 0; s < num_segs; ++s) {
-    const int32_t* l = lay + ((s * num_layers + layer) * num_modules + module) * 3;
+  for (int64_t s = 0; s < tb.num_segs; ++s) {
+    const int32_t* l = tb.entry(s, layer, module);
     if (l[0] == 0 || ln[s] == 0) continue;
     const bool blocked = ln[s] > max_len;
     if (blocked && !long_ok(l[0], d)) continue;  // the caller's GEMMs
@@ -431,14 +504,13 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
   if (items.empty()) return;
   float* yp = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  const float* pool = pool_rows.data_ptr<float>();
   const int64_t ys = y.stride(0), xs = x.stride(0);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; ++n) {
       const Item& it = items[n];
-      const int32_t* l = lay + ((it.seg * num_layers + layer) * num_modules + module) * 3;
-      const float scale = sc[(it.seg * num_layers + layer) * num_modules + module];
-      Pages p{pool, pg + it.seg * max_pages, page_elems};
+      const int32_t* l = tb.entry(it.seg, layer, module);
+      const float scale = tb.scale(it.seg, layer, module);
+      const Pages p = tb.pages_of(it.seg);
       if (it.blocked)
         long_item(yp + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
                   static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
@@ -449,9 +521,64 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
   });
 }
 
+// s[seg rows, s_cols[i] : s_cols[i] + rank] = scale * x[seg rows] @ A^T of modules[i], for every
+// segment of the tables and every module it carries: the shrink half of a LoRA whose expand the
+// packed GEMM applies in its epilogue (cpu_linear.linear_lora), for modules sharing one input x (q, k,
+// v; gate, up) in one pass over x. Every (segment, module) must satisfy long_ok; other columns of s
+// are left as they are.
+void shrink_segments(torch::Tensor s, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start, torch::Tensor seg_len,
+            torch::Tensor layout, torch::Tensor scales, torch::Tensor pages, int64_t rows_per_page, int64_t layer,
+            std::vector<int64_t> modules, std::vector<int64_t> s_cols) {
+  TORCH_CHECK(s.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat, "cpu_sgmv.shrink takes float32 tensors");
+  TORCH_CHECK(s.dim() == 2 && x.dim() == 2 && s.size(0) == x.size(0), "s [T, W] and x [T, in] expected");
+  TORCH_CHECK(s.stride(1) == 1 && x.stride(1) == 1, "s and x need contiguous columns");
+  TORCH_CHECK(modules.size() == s_cols.size(), "one s column per module");
+  const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
+  const int64_t in = x.size(1), T = x.size(0), W = s.size(1), nm = static_cast<int64_t>(modules.size());
+  for (int64_t s_ = 0; s_ < tb.num_segs; ++s_) {
+    TORCH_CHECK(tb.st[s_] >= 0 && tb.st[s_] + tb.ln[s_] <= T, "segment outside the batch");
+    for (int64_t i = 0; i < nm; ++i) {
+      TORCH_CHECK(modules[i] >= 0 && modules[i] < tb.num_modules, "module out of range");
+      const int32_t rank = tb.entry(s_, layer, modules[i])[0];
+      TORCH_CHECK(rank == 0 || long_ok(rank, tb.d), "rank ", rank, " is not one the blocked shrink takes");
+      TORCH_CHECK(s_cols[i] >= 0 && s_cols[i] + rank <= W, "s is too narrow for the ranks");
+    }
+  }
+  struct Item { int64_t seg, t0, nt; };
+  std::vector<Item> items;
+  for (int64_t s_ = 0; s_ < tb.num_segs; ++s_)
+    for (int64_t t = tb.st[s_]; t < tb.st[s_] + tb.ln[s_]; t += ITEM_BLOCKS * LMR)
+      items.push_back({s_, t, std::min<int64_t>(ITEM_BLOCKS * LMR, tb.st[s_] + tb.ln[s_] - t)});
+  float* sp = s.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const int64_t ss = s.stride(0), xs = x.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> spill;
+    alignas(64) float buf[LMR][MAX_RANK];
+    for (int64_t n = lo; n < hi; ++n) {
+      const Item& it = items[n];
+      const Pages p = tb.pages_of(it.seg);
+      for (int64_t i = 0; i < nm; ++i) {
+        const int32_t* l = tb.entry(it.seg, layer, modules[i]);
+        if (l[0] == 0) continue;
+        const int rank = l[0];
+        const float scale = tb.scale(it.seg, layer, modules[i]);
+        const std::vector<const float*> arow = a_rows(p, static_cast<int64_t>(l[1]) * tb.d, rank, in, spill);
+        in_blocks(it.nt, [&](int64_t t, int64_t rows) {
+          SHRINK_BLOCKS[rows - 1](xp + (it.t0 + t) * xs, xs, arow.data(), in, rank, scale, buf);
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(sp + (it.t0 + t + r) * ss + s_cols[i], buf[r], rank * sizeof(float));
+        });
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs: the server's threads keep going meanwhile.
   m.def("apply_lora", &apply_lora, "SGMV shrink + expand of one (layer, module), pool read in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("shrink", &shrink_segments, "scale * x @ A^T of several modules sharing x, for the GEMM's LoRA epilogue",
         py::call_guard<py::gil_scoped_release>());
   m.def("long_ok", &long_ok, "whether segments longer than max_len with this rank and pool row width D take the "
         "blocked path (else they are left to the caller)");

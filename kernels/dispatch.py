@@ -30,6 +30,9 @@ class KernelOps:
     lora_shrink: Callable  # (x, pool_rows, lora_batch, layer, module) -> s
     lora_expand: Callable  # (y, s, pool_rows, lora_batch, layer, module) -> None
     apply_lora: Callable  # (y, x, pool_rows, lora_batch, layer, module) -> None
+    # Whether the model may hand long segments' LoRA to the packed GEMM's epilogue (cpu_lora_gemm: C++,
+    # CPU, float32); the other backends keep every segment in apply_lora.
+    gemm_lora: bool = False
 
 
 TORCH_OPS = KernelOps(
@@ -50,6 +53,7 @@ CPU_OPS = KernelOps(
     lora_shrink=torch_sgmv.lora_shrink,
     lora_expand=torch_sgmv.lora_expand,
     apply_lora=cpu_sgmv.apply_lora,
+    gemm_lora=True,
 )
 
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.errors import ModelLoadError
-from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_norm
+from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_lora_gemm, cpu_norm
+from loraplex.kernels.cpu_lora_gemm import ModuleColumns
 from loraplex.lora.types import MODULE_INDEX
 
 from . import cpu_gemm
@@ -50,6 +51,16 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None  # [2I]
     down: torch.Tensor  # [H, I]
     down_bias: torch.Tensor | None  # [H]
+
+
+@dataclass(frozen=True)
+class _StepLora:
+    """One step's adapter segments as the projections add them."""
+
+    in_gemm: LoraBatch | None  # long segments: added in the packed GEMM's epilogue (cpu_lora_gemm)
+    rest: LoraBatch | None  # the others: added by ops.apply_lora after the GEMM
+    pool_rows: torch.Tensor  # [R, D]
+    ops: KernelOps
 
 
 @dataclass(frozen=True)
@@ -172,6 +183,31 @@ class LlamaModel:
                 )
             )
         self.qkv_splits = (cfg.q_size, cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
+        # Which LoRA module owns which output columns of each fused projection (the GEMM's LoRA epilogue).
+        h, i2 = cfg.hidden_size, 2 * cfg.intermediate_size
+        self.lora_columns = {"qkv": ModuleColumns((Q, K, V), (0, *self.qkv_splits)), "o": ModuleColumns((O,), (0, h)),
+                             "gate_up": ModuleColumns((GATE, UP), (0, cfg.intermediate_size, i2)),
+                             "down": ModuleColumns((DOWN,), (0, h))}
+        self._gemm_lora: dict[int, bool] = {}  # pool row width -> whether the epilogue applies
+
+    def gemm_lora(self, d: int) -> bool:
+        """Whether prefill LoRA can go into the packed GEMM's epilogue with pool rows of d elements."""
+        hit = self._gemm_lora.get(d)
+        if hit is None:
+            hit = self._gemm_lora[d] = self.layout == "packed" and cpu_lora_gemm.applies(d, tuple(self.lora_columns.values()))
+        return hit
+
+    def _project(self, x: torch.Tensor, w, b: torch.Tensor | None, layer: int, cols: str,
+                 lora: _StepLora | None) -> torch.Tensor:  # x [T, in] -> [T, out] with the adapters' deltas
+        c = self.lora_columns[cols]
+        if lora is not None and lora.in_gemm is not None:
+            y = cpu_lora_gemm.linear_lora(x, w, b, lora.pool_rows, lora.in_gemm, layer, c)
+        else:
+            y = linear(x, w, b, self.layout)
+        if lora is not None and lora.rest is not None:
+            for mod, lo, hi in zip(c.modules, c.bounds, c.bounds[1:]):
+                lora.ops.apply_lora(y[:, lo:hi], x, lora.pool_rows, lora.rest, layer, mod)
+        return y
 
     @torch.inference_mode()
     def forward(
@@ -183,12 +219,17 @@ class LlamaModel:
     ) -> torch.Tensor:  # [N, vocab] float32 logits of the tokens in step.logits_index
         cfg = self.cfg
         T = step.input_ids.shape[0]
-        lora = step.lora
+        lora = None
+        if step.lora is not None:
+            lora = _StepLora(None, step.lora, pool_rows, ops)
+            if ops.gemm_lora and self.gemm_lora(pool_rows.shape[1]):
+                # Long (prefill) segments' deltas inside the projections' GEMMs; the rest through apply_lora.
+                parts = cpu_lora_gemm.split(step.lora, pool_rows.shape[1])
+                lora = _StepLora(parts.fused, parts.rest, pool_rows, ops)
         h = F.embedding(step.input_ids, self.embed)  # [T, H]
-        qe, ke, ve = self.qkv_splits
+        ke = self.qkv_splits[1]  # q | k | v columns of qkv end at qkv_splits
         inter = cfg.intermediate_size
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        lay = self.layout  # "out_in" | "in_out" | "packed" | "onednn": how the projection weights are held
         # Positions are the same in every layer: look up cos/sin once per step.
         cos, sin = self.rope.cos_sin(step.attn.positions, self.dtype)  # [T, hd]
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, hd], broadcast over heads
@@ -196,28 +237,18 @@ class LlamaModel:
         norm = cpu_norm.rms_norm if fused else rms_norm
         x = norm(h, self.layers[0].input_norm, eps)
         for li, w in enumerate(self.layers):
-            qkv = linear(x, w.qkv, w.qkv_bias, lay)  # [T, q + 2kv]
-            if lora is not None:
-                for mod, (lo, hi) in ((Q, (0, qe)), (K, (qe, ke)), (V, (ke, ve))):
-                    ops.apply_lora(qkv[:, lo:hi], x, pool_rows, lora, li, mod)
+            qkv = self._project(x, w.qkv, w.qkv_bias, li, "qkv", lora)  # [T, q + 2kv]
             # q and k heads are adjacent in each qkv row: rotate them in one pass, then split views.
             qk = self.rope.rotate(qkv[:, :ke].view(T, nh + nkv, hd), cos, sin)  # [T, nh + nkv, hd]
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, ke:].view(T, nkv, hd)
             ops.write_kv(kv_pool, k, v, step.attn, li)
             attn = ops.paged_attention(q, kv_pool, step.attn, li, self.scale).reshape(T, cfg.q_size)
-            o = linear(attn, w.o, w.o_bias, lay)  # [T, H]
-            if lora is not None:
-                ops.apply_lora(o, attn, pool_rows, lora, li, O)
+            o = self._project(attn, w.o, w.o_bias, li, "o", lora)  # [T, H]
             h, x = add_rms_norm(h, o, w.post_norm, eps, fused)
-            gu = linear(x, w.gate_up, w.gate_up_bias, lay)  # [T, 2I]
-            if lora is not None:
-                ops.apply_lora(gu[:, :inter], x, pool_rows, lora, li, GATE)
-                ops.apply_lora(gu[:, inter:], x, pool_rows, lora, li, UP)
+            gu = self._project(x, w.gate_up, w.gate_up_bias, li, "gate_up", lora)  # [T, 2I]
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
-            d = linear(act, w.down, w.down_bias, lay)  # [T, H]
-            if lora is not None:
-                ops.apply_lora(d, act, pool_rows, lora, li, DOWN)
+            d = self._project(act, w.down, w.down_bias, li, "down", lora)  # [T, H]
             # The next layer's input norm, fused with this residual add.
             if li < last:
                 h, x = add_rms_norm(h, d, self.layers[li + 1].input_norm, eps, fused)

@@ -37,11 +37,12 @@ class ParityCase:
     max_new: int
 
 
-def build_case(tmp: Path, arch: str, n_requests: int = 12, max_new: int = 32) -> ParityCase:
+def build_case(tmp: Path, arch: str, n_requests: int = 12, max_new: int = 32, **model_kw) -> ParityCase:
+    """model_kw: overrides of the family's tiny config (factories.ARCH_CONFIGS)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model_dir = make_tiny_model(tmp / f"{arch}-model", arch)
+    model_dir = make_tiny_model(tmp / f"{arch}-model", arch, **model_kw)
     adapter_dirs = {}
     for i, spec in enumerate(ADAPTER_SPECS):
         spec = dict(spec)

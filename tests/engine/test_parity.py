@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraplex.engine import LLM, SamplingParams
-from loraplex.kernels import cpu_linear, cpu_norm, cpu_sgmv
+from loraplex.kernels import cpu_linear, cpu_lora_gemm, cpu_norm, cpu_sgmv
 from loraplex.models import cpu_gemm, llama
 from native_kernels import require_built, skip_or_fail
 from parity_setup import build_case, rel_err
@@ -79,6 +79,27 @@ def test_every_weight_layout_matches_peft(case, layout, monkeypatch):
     assert llm.engine.model.head_layout == (layout if layout in prepacked else "out_in")  # the LM head too
     outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
     check_outputs(case, outs)
+
+
+def test_prefill_lora_in_the_gemm_epilogue_matches_peft(tmp_path, monkeypatch):
+    # A model whose pool rows (D = 32) and projection boundaries sit on the packed GEMM's panel grid:
+    # prompts longer than LONG_SEGMENT whose adapter's ranks are multiples of 8 get their deltas in
+    # the GEMM's epilogue, the others (and every decode token) through the SGMV kernel, in one batch.
+    require_built("cpu_linear", cpu_linear.available(), "linear kernel")
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    if 32 % cpu_linear.panel_width():
+        pytest.skip(f"panels of {cpu_linear.panel_width()} columns do not divide this model's D = 32")
+    case = build_case(tmp_path, "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=256)
+    calls = []
+    real = cpu_lora_gemm.linear_lora
+    monkeypatch.setattr(cpu_lora_gemm, "linear_lora", lambda *a: calls.append(a[4]) or real(*a))
+    llm = make_llm(case, kernels="cpu", gemm="packed")
+    assert llm.engine.model.gemm_lora(llm.engine.pager.geometry.row_width)
+    outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
+    check_outputs(case, outs)
+    assert calls, "no prefill segment went through the GEMM epilogue"
+    assert all(s.length > cpu_sgmv.LONG_SEGMENT for batch in calls for s in batch.segments)
 
 
 def test_chunked_prefill_matches_peft(case):

@@ -1,0 +1,89 @@
+"""Prefill LoRA inside the packed GEMM on the CPU: the shrink by cpu_sgmv.shrink, the expand in the
+epilogue of cpu_linear's GEMM (cpu_linear.linear_lora), both reading the adapters in place from the pool.
+
+Why: a separate SGMV pass over a prefill chunk reads and writes every output row a second time, and
+at 2048 tokens those rows no longer sit in L2 (qkv and gate/up of one layer are 9 and 25 MB). In the
+epilogue the delta joins the accumulators before the one store, and the expand costs rank more steps
+of the K loop (16 beside 576). The shrink of the modules that share an input (q, k, v; gate, up) is
+one pass over it.
+
+Which segments: those longer than cpu_sgmv.LONG_SEGMENT whose every rank the blocked shrink takes
+(cpu_sgmv.long_ok); the rest of the batch (decode tokens, other ranks) stays with ops.apply_lora.
+Which models: a pool row width D and module boundaries that are multiples of the GEMM's panel width
+(a panel then lies in one module and its B^T columns in one pool row), `applies` below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_linear, cpu_sgmv
+from .cpu_build import load_extension
+from .metadata import LoraBatch
+
+
+@dataclass(frozen=True)
+class FusedSplit:
+    """One step's adapter segments, split between the GEMM epilogue and ops.apply_lora."""
+
+    fused: LoraBatch | None  # long segments whose every rank the blocked kernels take
+    rest: LoraBatch | None  # everything else (None: nothing)
+
+
+@dataclass(frozen=True)
+class ModuleColumns:
+    """Which output columns of a fused projection (qkv, gate_up, ...) belong to which LoRA module."""
+
+    modules: tuple[int, ...]  # TARGET_MODULES indices
+    bounds: tuple[int, ...]  # module i owns columns [bounds[i], bounds[i + 1])
+
+
+def applies(d: int, projections: tuple[ModuleColumns, ...]) -> bool:
+    """Whether a model with pool rows of d elements and these projections can take the epilogue here."""
+    if not (cpu_linear.available() and cpu_sgmv.available()):
+        return False
+    nr = cpu_linear.panel_width()
+    return d % nr == 0 and all(b % nr == 0 for p in projections for b in p.bounds)
+
+
+def split(lora: LoraBatch, d: int) -> FusedSplit:
+    """The step's split; cached on the batch (every layer asks)."""
+    hit = lora.plan_cache.get("cpu_fused_split")
+    if hit is not None:
+        return hit
+    fused, rest = [], []
+    for seg in lora.segments:
+        long = seg.length > cpu_sgmv.LONG_SEGMENT
+        ok = long and all(cpu_sgmv.long_ok(slot.rank, d) for slot in seg.adapter.slots.values())
+        (fused if ok else rest).append(seg)
+    if not fused:  # a decode step: the batch as it is, with the tables and plans it has built
+        out = FusedSplit(None, lora)
+    else:
+        out = FusedSplit(LoraBatch(tuple(fused), lora.num_tokens), LoraBatch(tuple(rest), lora.num_tokens) if rest else None)
+    lora.plan_cache["cpu_fused_split"] = out
+    return out
+
+
+def linear_lora(
+    x: torch.Tensor,  # [T, in] float32
+    w: cpu_linear.PackedWeight,
+    b: torch.Tensor | None,  # [out]
+    pool_rows: torch.Tensor,  # [R, D]
+    fused: LoraBatch,  # FusedSplit.fused
+    layer: int,
+    cols: ModuleColumns,
+) -> torch.Tensor:  # [T, out] = x @ W^T + b + each fused segment's LoRA delta
+    x = x if x.stride(1) == 1 else x.contiguous()
+    r = fused.max_rank
+    # One column band of max_rank per module; a segment of lower rank leaves the band's tail unread.
+    s_cols = [i * r for i in range(len(cols.modules))]
+    s = torch.empty(x.shape[0], r * len(cols.modules), dtype=x.dtype)  # rows outside the segments: unread
+    t = fused.device_tensors
+    rows_per_page = fused.segments[0].adapter.rows_per_page
+    load_extension("cpu_sgmv").shrink(s, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
+                                      rows_per_page, layer, list(cols.modules), s_cols)
+    return load_extension("cpu_linear").linear_lora(x, w.panels, b, w.out_features, s, pool_rows, t.seg_start,
+                                                    t.seg_len, t.layout, t.pages, rows_per_page, layer,
+                                                    list(cols.modules), list(cols.bounds), s_cols)

@@ -1,0 +1,117 @@
+"""The packed GEMM with the LoRA epilogue (kernels/cpu_lora_gemm.py) against float64, on random inputs.
+
+A projection of several modules (q/k/v-like: three column ranges) over a batch of long and short
+segments on scattered pages of a NaN-poisoned pool: the fused segments must get x @ W^T + b + their
+delta, every other row x @ W^T + b exactly as the plain kernel computes it, and the split must hand
+the short segments and ranks the blocked kernels do not take to ops.apply_lora.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernel_testkit import PageDealer, rel_err
+from loraplex.kernels import cpu_linear, cpu_lora_gemm, cpu_sgmv
+from native_kernels import require_built
+from sgmv_testkit import build_batch, lora_delta_ref, place, poisoned_pool, random_lora_adapter, sgmv_geometry
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    require_built("cpu_linear", cpu_linear.available(), "packed GEMM")
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+
+
+@st.composite
+def cases(draw):
+    nr = cpu_linear.panel_width()
+    d = nr * draw(st.sampled_from([1, 2]))
+    widths = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))  # module outputs, in units of d
+    n_adapters = draw(st.integers(1, 4))
+    return dict(
+        d=d, widths=widths, in_features=d * draw(st.sampled_from([1, 3, 5])), rows_per_page=2 * draw(st.integers(1, 6)),
+        ranks=[[8 * draw(st.integers(1, 8)) for _ in widths] for _ in range(n_adapters)],
+        lens=draw(st.lists(st.one_of(st.just(1), st.integers(2, 16), st.integers(17, 60)), min_size=1, max_size=6)),
+        bias=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases())
+def test_linear_lora_matches_float64(case):
+    rng = random.Random(case["seed"])
+    gen = torch.Generator().manual_seed(case["seed"])
+    d, k = case["d"], case["in_features"]
+    modules = tuple(range(len(case["widths"])))  # q, k, v, ... as TARGET_MODULES indices
+    outs = [w * d for w in case["widths"]]
+    bounds = [0]
+    for o in outs:
+        bounds.append(bounds[-1] + o)
+    adapters = [random_lora_adapter(f"a{i}", rng, {m: (k, outs[m]) for m in modules}, [0, 1], ranks)
+                for i, ranks in enumerate(case["ranks"])]
+    geometry = sgmv_geometry(d, case["rows_per_page"], 2, 4000, torch.float32)
+    pool = poisoned_pool(geometry, torch.device("cpu"))
+    dealer = PageDealer(geometry.num_pages, rng)
+    residencies = [place(pool, dealer, a) for a in adapters]
+    assignment = [rng.randrange(len(adapters) + 1) for _ in case["lens"]]  # the last index: no adapter
+    req_adapter = [None if a == len(adapters) else a for a in assignment]
+    lora, token_adapter = build_batch(residencies, case["lens"], req_adapter, False, 0, rng)
+    T = lora.num_tokens
+    x = torch.randn(T, k, generator=gen)
+    w = torch.randn(bounds[-1], k, generator=gen) / k**0.5
+    b = torch.randn(bounds[-1], generator=gen) if case["bias"] else None
+    packed = cpu_linear.pack(w)
+    layer = rng.randrange(2)
+
+    parts = cpu_lora_gemm.split(lora, d)
+    fused_ids = {id(s) for s in parts.fused.segments} if parts.fused else set()
+    for seg in lora.segments:  # the split: long segments go to the epilogue (every rank here is a multiple of 8)
+        assert (id(seg) in fused_ids) == (seg.length > cpu_sgmv.LONG_SEGMENT)
+    plain = cpu_linear.linear(x, packed, b)
+    if parts.fused is None:
+        return
+    y = cpu_lora_gemm.linear_lora(x, packed, b, pool.rows(), parts.fused, layer,
+                                  cpu_lora_gemm.ModuleColumns(modules, tuple(bounds)))
+
+    fused_rows = torch.zeros(T, dtype=torch.bool)
+    for seg in parts.fused.segments:
+        fused_rows[seg.start : seg.start + seg.length] = True
+    ref = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+    fused_adapter = [a if fused_rows[t] else None for t, a in enumerate(token_adapter)]
+    for m in modules:
+        _, delta = lora_delta_ref(x, fused_adapter, adapters, layer, m, outs[m], torch.float32)
+        ref[:, bounds[m] : bounds[m + 1]] += delta
+    assert rel_err(y[fused_rows], ref[fused_rows]) < 1e-5
+    assert torch.equal(y[~fused_rows], plain[~fused_rows])  # the plain kernel's result, bit for bit
+
+
+def test_split_leaves_ranks_the_blocked_kernels_do_not_take():
+    rng = random.Random(0)
+    d = cpu_linear.panel_width()
+    geometry = sgmv_geometry(d, 8, 1, 400, torch.float32)
+    pool = poisoned_pool(geometry, torch.device("cpu"))
+    dealer = PageDealer(geometry.num_pages, rng)
+    odd = place(pool, dealer, random_lora_adapter("odd", rng, {0: (d, d), 1: (d, d)}, [0], [16, 12]))
+    even = place(pool, dealer, random_lora_adapter("even", rng, {0: (d, d)}, [0], [16]))
+    lora, _ = build_batch([odd, even], [40, 40, 3], [0, 1, 1], False, 0, rng)
+    parts = cpu_lora_gemm.split(lora, d)
+    assert [(s.adapter, s.length) for s in parts.fused.segments] == [(even, 40)]  # rank 16 everywhere
+    assert [(s.adapter, s.length) for s in parts.rest.segments] == [(odd, 40), (even, 3)]
+    assert cpu_lora_gemm.split(lora, d) is parts  # cached on the batch
+
+
+def test_linear_lora_refuses_module_columns_off_the_panel_grid():
+    d = cpu_linear.panel_width()
+    rng = random.Random(1)
+    geometry = sgmv_geometry(d, 8, 1, 400, torch.float32)
+    pool = poisoned_pool(geometry, torch.device("cpu"))
+    res = place(pool, PageDealer(geometry.num_pages, rng), random_lora_adapter("a", rng, {0: (d, 2 * d)}, [0], [8]))
+    lora, _ = build_batch([res], [20], [0], False, 0, rng)
+    packed = cpu_linear.pack(torch.randn(2 * d, d))
+    with pytest.raises(RuntimeError, match="multiples of the panel width"):
+        cpu_lora_gemm.linear_lora(torch.randn(20, d), packed, None, pool.rows(), lora, 0,
+                                  cpu_lora_gemm.ModuleColumns((0, 1), (0, d + 8, 2 * d)))
