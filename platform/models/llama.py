@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.errors import ModelLoadError
-from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_lora_gemm, cpu_norm
+from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_lora_gemm, cpu_norm, cpu_rope
 from loraplex.kernels.cpu_lora_gemm import ModuleColumns
 from loraplex.lora.types import MODULE_INDEX
 
@@ -131,6 +131,8 @@ class LlamaModel:
         packed = self.layout in cpu_gemm.PACKED_LAYOUTS
         # The C++ norms where they build (CPU, float32): torch's rms_norm is ~10 ops per call.
         self.fused_norm = device.type == "cpu" and dtype == torch.float32 and cpu_norm.available()
+        # RoPE in place in the qkv output where the C++ kernel builds (CPU, float32): one pass, not five.
+        self.fused_rope = device.type == "cpu" and dtype == torch.float32 and cpu_rope.available()
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = weights.get(name)
@@ -227,20 +229,24 @@ class LlamaModel:
                 parts = cpu_lora_gemm.split(step.lora, pool_rows.shape[1])
                 lora = _StepLora(parts.fused, parts.rest, pool_rows, ops)
         h = F.embedding(step.input_ids, self.embed)  # [T, H]
-        ke = self.qkv_splits[1]  # q | k | v columns of qkv end at qkv_splits
+        qe, ke = self.qkv_splits[:2]  # q | k | v columns of qkv end at qkv_splits
         inter = cfg.intermediate_size
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # Positions are the same in every layer: look up cos/sin once per step.
         cos, sin = self.rope.cos_sin(step.attn.positions, self.dtype)  # [T, hd]
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, hd], broadcast over heads
+        cos_h, sin_h = cos[:, None, :], sin[:, None, :]  # [T, 1, hd], broadcast over heads
         eps, fused, last = cfg.rms_norm_eps, self.fused_norm, len(self.layers) - 1
         norm = cpu_norm.rms_norm if fused else rms_norm
         x = norm(h, self.layers[0].input_norm, eps)
         for li, w in enumerate(self.layers):
             qkv = self._project(x, w.qkv, w.qkv_bias, li, "qkv", lora)  # [T, q + 2kv]
             # q and k heads are adjacent in each qkv row: rotate them in one pass, then split views.
-            qk = self.rope.rotate(qkv[:, :ke].view(T, nh + nkv, hd), cos, sin)  # [T, nh + nkv, hd]
-            q, k = qk[:, :nh], qk[:, nh:]
+            if self.fused_rope:
+                cpu_rope.rope_(qkv, ke, cos, sin)
+                q, k = qkv[:, :qe].view(T, nh, hd), qkv[:, qe:ke].view(T, nkv, hd)
+            else:
+                qk = self.rope.rotate(qkv[:, :ke].view(T, nh + nkv, hd), cos_h, sin_h)  # [T, nh + nkv, hd]
+                q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, ke:].view(T, nkv, hd)
             ops.write_kv(kv_pool, k, v, step.attn, li)
             attn = ops.paged_attention(q, kv_pool, step.attn, li, self.scale).reshape(T, cfg.q_size)

@@ -37,8 +37,10 @@ class ParityCase:
     max_new: int
 
 
-def build_case(tmp: Path, arch: str, n_requests: int = 12, max_new: int = 32, **model_kw) -> ParityCase:
-    """model_kw: overrides of the family's tiny config (factories.ARCH_CONFIGS)."""
+def build_case(tmp: Path, arch: str, n_requests: int = 12, max_new: int = 32, prompt_lens: tuple[int, int] = (5, 40),
+               **model_kw) -> ParityCase:
+    """prompt_lens: the range prompt lengths are drawn from; model_kw: overrides of the family's tiny
+    config (factories.ARCH_CONFIGS)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -55,7 +57,7 @@ def build_case(tmp: Path, arch: str, n_requests: int = 12, max_new: int = 32, **
     adapters = [names[i % len(names)] for i in range(n_requests)]
     rng.shuffle(adapters)
     vocab = 257
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(5, 40))] for _ in range(n_requests)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_lens))] for _ in range(n_requests)]
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     names_list = list(adapter_dirs)

@@ -89,8 +89,10 @@ def test_prefill_lora_in_the_gemm_epilogue_matches_peft(tmp_path, monkeypatch):
     require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
     if 32 % cpu_linear.panel_width():
         pytest.skip(f"panels of {cpu_linear.panel_width()} columns do not divide this model's D = 32")
-    case = build_case(tmp_path, "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=256)
+    # Prompts of more than LONG_SEGMENT tokens: every adapter with ranks of multiples of 8 gets a segment
+    # in the epilogue, the others a long segment through the SGMV kernel.
+    case = build_case(tmp_path, "llama", prompt_lens=(cpu_sgmv.LONG_SEGMENT + 1, 60), hidden_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
     calls = []
     real = cpu_lora_gemm.linear_lora
     monkeypatch.setattr(cpu_lora_gemm, "linear_lora", lambda *a: calls.append(a[4]) or real(*a))
