@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.errors import ModelLoadError
-from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_lora_gemm, cpu_norm, cpu_rope
+from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_lora_gemm, cpu_norm, cpu_rope, cpu_swiglu
 from loraplex.kernels.cpu_lora_gemm import ModuleColumns
 from loraplex.lora.types import MODULE_INDEX
 
@@ -133,6 +133,8 @@ class LlamaModel:
         self.fused_norm = device.type == "cpu" and dtype == torch.float32 and cpu_norm.available()
         # RoPE in place in the qkv output where the C++ kernel builds (CPU, float32): one pass, not five.
         self.fused_rope = device.type == "cpu" and dtype == torch.float32 and cpu_rope.available()
+        # silu(gate) * up in one pass where the C++ kernel builds (CPU, float32).
+        self.fused_act = device.type == "cpu" and dtype == torch.float32 and cpu_swiglu.available()
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = weights.get(name)
@@ -253,7 +255,10 @@ class LlamaModel:
             o = self._project(attn, w.o, w.o_bias, li, "o", lora)  # [T, H]
             h, x = add_rms_norm(h, o, w.post_norm, eps, fused)
             gu = self._project(x, w.gate_up, w.gate_up_bias, li, "gate_up", lora)  # [T, 2I]
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+            if self.fused_act:
+                act = cpu_swiglu.swiglu(gu, inter)  # [T, I]
+            else:
+                act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
             d = self._project(act, w.down, w.down_bias, li, "down", lora)  # [T, H]
             # The next layer's input norm, fused with this residual add.
             if li < last:
