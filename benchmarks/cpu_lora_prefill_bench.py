@@ -1,0 +1,148 @@
+"""Prefill LoRA on the CPU: one layer of the default model's projections over a prefill chunk, four ways.
+
+For a batch of `--segments` prefill segments of `--tokens` tokens, each with its own adapter (rank `--rank`,
+every module), placed on the unified pool's pages, one layer's four projections (qkv, o, gate/up, down) run:
+- base: the packed GEMMs alone (what the adapters add is measured against it);
+- blas: the GEMMs, then the LoRA of each segment as a BLAS GEMM pair (torch_sgmv.apply_segments);
+- sgmv: the GEMMs, then the C++ SGMV kernel's register-blocked long-segment path (cpu_sgmv.apply_lora);
+- fused: the shrink (cpu_sgmv.shrink) and the GEMMs with the expand in their epilogue (cpu_lora_gemm), the
+  engine's path.
+The four alternate, call by call, in one process (this CPU's speed drifts over minutes); the table gives the
+25th-percentile time of each and what it adds to base, beside the LoRA's FLOPs at the 2048-square matmul rate
+measured in the same run (the floor); what a path adds is the median over rounds of its time minus base's
+in the same round. Writes JSON (--out).
+
+Usage:
+    .venv/bin/python benchmarks/cpu_lora_prefill_bench.py [--segments 16] [--tokens 128] [--rank 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loraplex.kernels import LoraBatch, LoraSegment, cpu_linear, cpu_lora_gemm, cpu_sgmv, torch_sgmv
+from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
+from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
+from loraplex.unified_pager.geometry import PoolGeometry
+from loraplex.unified_pager.pool import PagePool
+
+from roofline import matmul_gflops
+
+H, KV, INTER, D = 576, 192, 1536, 64  # SmolLM2-135M: hidden, kv width, MLP width, pool row width
+SHAPES = {0: (H, H), 1: (H, KV), 2: (H, KV), 3: (H, H), 4: (H, INTER), 5: (H, INTER), 6: (INTER, H)}  # (in, out)
+# (modules, their column bounds in the fused output, input width): qkv, o, gate_up, down
+PROJECTIONS = [((0, 1, 2), (0, H, H + KV, H + 2 * KV), H), ((3,), (0, H), H), ((4, 5), (0, INTER, 2 * INTER), H),
+               ((6,), (0, H), INTER)]
+
+
+def random_adapter(name: str, rank: int, gen: torch.Generator) -> LoraAdapter:
+    mods = [LoraModuleWeights(0, TARGET_MODULES[m], rank, 2.0, torch.randn(rank, i, generator=gen) / i**0.5,
+                              torch.randn(o, rank, generator=gen) / rank**0.5) for m, (i, o) in SHAPES.items()]
+    return LoraAdapter(name=name, modules=tuple(mods), max_rank=rank)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--segments", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per segment")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--scatter", action="store_true",
+                    help="adapters on pages in random order (default: each on a run of consecutive pages, as a "
+                         "pool with free runs places them)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_lora_prefill.json"))
+    args = ap.parse_args(argv)
+    if not (cpu_linear.available() and cpu_sgmv.available()):
+        raise SystemExit("needs the C++ kernels (kernels.cpu_build.build_error('cpu_linear' / 'cpu_sgmv'))")
+    gen = torch.Generator().manual_seed(0)
+    per_adapter = -(-args.rank * sum(i + o for i, o in SHAPES.values()) // (96 * D))  # pages of 96 rows of D
+    geo = PoolGeometry(num_pages=args.segments * per_adapter + 16, row_width=D, rows_per_page=96, block_size=16, num_layers=1,
+                       num_kv_heads=3, head_dim=64, dtype=torch.float32,
+                       module_shapes=tuple(SHAPES[m] for m in range(len(TARGET_MODULES))))
+    pool = PagePool(geo, torch.device("cpu"))
+    rows = pool.tensor.view(-1, D)
+    free = list(range(geo.num_pages))
+    if args.scatter:
+        random.Random(0).shuffle(free)
+    segments = []
+    for i in range(args.segments):
+        adapter = random_adapter(f"a{i}", args.rank, gen)
+        plan = plan_adapter(geo, adapter)
+        pages, free = np.array(free[: plan.num_pages]), free[plan.num_pages:]
+        segments.append(LoraSegment(i * args.tokens, args.tokens, place_adapter(pool, adapter.name, plan, pages)))
+    T = args.segments * args.tokens
+    weights = [cpu_linear.pack(torch.randn(b[-1], k, generator=gen) / k**0.5) for _, b, k in PROJECTIONS]
+    xs = [torch.randn(T, k, generator=gen) for _, _, k in PROJECTIONS]
+
+    def base(lora: LoraBatch) -> None:
+        for w, x in zip(weights, xs):
+            cpu_linear.linear(x, w, None)
+
+    def then_apply(apply):
+        def run(lora: LoraBatch) -> None:
+            for (mods, b, _), w, x in zip(PROJECTIONS, weights, xs):
+                y = cpu_linear.linear(x, w, None)
+                for m, lo, hi in zip(mods, b, b[1:]):
+                    apply(y[:, lo:hi], x, m, lora)
+        return run
+
+    def fused(lora: LoraBatch) -> None:
+        parts = cpu_lora_gemm.split(lora, D)
+        for (mods, b, _), w, x in zip(PROJECTIONS, weights, xs):
+            cpu_lora_gemm.linear_lora(x, w, None, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b))
+
+    calls = {"base": base,
+             "blas": then_apply(lambda y, x, m, lora: torch_sgmv.apply_segments(y, x, rows, lora.segments, 0, m)),
+             "sgmv": then_apply(lambda y, x, m, lora: cpu_sgmv.apply_lora(y, x, rows, lora, 0, m)),
+             "fused": fused}
+    ceiling = matmul_gflops(2048, 3)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for rep in range(args.reps + 1):
+        for name, f in calls.items():
+            lora = LoraBatch(tuple(segments), T)  # per-step tables built outside the timing, as the runner does
+            _ = lora.device_tensors
+            parts = cpu_lora_gemm.split(lora, D)
+            _ = parts.fused.device_tensors if parts.fused is not None else None
+            t = time.perf_counter()
+            f(lora)
+            if rep:  # the first round warms every path
+                times[name].append(time.perf_counter() - t)
+    q1 = {name: sorted(ts)[len(ts) // 4] for name, ts in times.items()}
+    lora_flops = 2 * T * args.rank * sum(i + o for i, o in SHAPES.values())
+    floor_s = lora_flops / (ceiling * 1e9)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "scatter": args.scatter, "segments": args.segments, "tokens": args.tokens, "rank": args.rank, "ceiling_gflops": ceiling,
+              "lora_gflop": lora_flops / 1e9, "floor_ms": floor_s * 1e3,
+              "ms_q1": {k: v * 1e3 for k, v in q1.items()},
+              "added_ms": {k: (v - q1["base"]) * 1e3 for k, v in q1.items() if k != "base"},
+              # each call against the base call of its own round: a drift between rounds cancels
+              "added_paired_median_ms": {k: statistics.median(t - b for t, b in zip(ts, times["base"])) * 1e3
+                                         for k, ts in times.items() if k != "base"},
+              "all_ms": {k: [t * 1e3 for t in ts] for k, ts in times.items()}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"{args.segments} segments x {args.tokens} tokens, rank {args.rank}, one layer (7 modules); "
+          f"LoRA {lora_flops / 1e9:.2f} GFLOP = {floor_s * 1e3:.2f} ms at {ceiling:.0f} GFLOP/s")
+    print("| path | ms (25th pct) | added to base, ms (median of same-round pairs) | added / floor |")
+    print("|---|---|---|---|")
+    for name, t in q1.items():
+        if name == "base":
+            print(f"| base | {t * 1e3:.2f} | | |")
+            continue
+        added = result["added_paired_median_ms"][name]
+        print(f"| {name} | {t * 1e3:.2f} | {added:.2f} | {added / (floor_s * 1e3):.2f} |")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

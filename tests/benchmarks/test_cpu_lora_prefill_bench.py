@@ -1,0 +1,25 @@
+"""benchmarks/cpu_lora_prefill_bench.py on a small batch: every path runs, its JSON is written and sane."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from loraplex.kernels import cpu_linear, cpu_sgmv
+from native_kernels import require_built
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import cpu_lora_prefill_bench  # noqa: E402
+
+
+def test_bench_times_every_path_and_writes_json(tmp_path):
+    require_built("cpu_linear", cpu_linear.available(), "linear kernel")
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    out = tmp_path / "prefill.json"
+    result = cpu_lora_prefill_bench.main(["--segments", "2", "--tokens", "20", "--rank", "8", "--reps", "2",
+                                          "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert set(result["ms_q1"]) == {"base", "blas", "sgmv", "fused"}
+    assert all(t > 0 for t in result["ms_q1"].values())
+    assert result["lora_gflop"] == 2 * 40 * 8 * (576 * 7 + 192 * 2 + 576 * 2 + 1536 * 3) / 1e9
