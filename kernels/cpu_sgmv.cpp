@@ -281,7 +281,7 @@ typedef float vec8_u __attribute__((vector_size(8 * sizeof(float)), aligned(4)))
 
 template <typename T> struct Unaligned;
 template <> struct Unaligned<vecv> { using type = vecv_u; };
-#if VEC != 8
+#if defined(__AVX512F__)  // VEC is 16: vec8 is a type of its own
 template <> struct Unaligned<vec8> { using type = vec8_u; };
 #endif
 template <typename T> inline T vload(const float* p) { return *reinterpret_cast<const typename Unaligned<T>::type*>(p); }
