@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("needs the C++ kernels (kernels.cpu_build.build_error('cpu_linear' / 'cpu_sgmv'))")
     gen = torch.Generator().manual_seed(0)
     per_adapter = -(-args.rank * sum(i + o for i, o in SHAPES.values()) // (96 * D))  # pages of 96 rows of D
-    geo = PoolGeometry(num_pages=args.segments * per_adapter + 16, row_width=D, rows_per_page=96, block_size=16, num_layers=1,
-                       num_kv_heads=3, head_dim=64, dtype=torch.float32,
+    geo = PoolGeometry(num_pages=args.segments * per_adapter + 16, row_width=D, rows_per_page=96, block_size=16,
+                       num_layers=1, num_kv_heads=3, head_dim=64, dtype=torch.float32,
                        module_shapes=tuple(SHAPES[m] for m in range(len(TARGET_MODULES))))
     pool = PagePool(geo, torch.device("cpu"))
     rows = pool.tensor.view(-1, D)
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
         adapter = random_adapter(f"a{i}", args.rank, gen)
         plan = plan_adapter(geo, adapter)
         pages, free = np.array(free[: plan.num_pages]), free[plan.num_pages:]
-        segments.append(LoraSegment(i * args.tokens, args.tokens, place_adapter(pool, adapter.name, plan, pages)))
+        residency = place_adapter(pool, adapter.name, plan, pages)
+        segments.append(LoraSegment(i * args.tokens, args.tokens, residency))
     T = args.segments * args.tokens
     weights = [cpu_linear.pack(torch.randn(b[-1], k, generator=gen) / k**0.5) for _, b, k in PROJECTIONS]
     xs = [torch.randn(T, k, generator=gen) for _, _, k in PROJECTIONS]
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     lora_flops = 2 * T * args.rank * sum(i + o for i, o in SHAPES.values())
     floor_s = lora_flops / (ceiling * 1e9)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "scatter": args.scatter, "segments": args.segments, "tokens": args.tokens, "rank": args.rank, "ceiling_gflops": ceiling,
+              "scatter": args.scatter, "segments": args.segments, "tokens": args.tokens, "rank": args.rank,
+              "ceiling_gflops": ceiling,
               "lora_gflop": lora_flops / 1e9, "floor_ms": floor_s * 1e3,
               "ms_q1": {k: v * 1e3 for k, v in q1.items()},
               "added_ms": {k: (v - q1["base"]) * 1e3 for k, v in q1.items() if k != "base"},

@@ -61,7 +61,8 @@ def split(lora: LoraBatch, d: int) -> FusedSplit:
     if not fused:  # a decode step: the batch as it is, with the tables and plans it has built
         out = FusedSplit(None, lora)
     else:
-        out = FusedSplit(LoraBatch(tuple(fused), lora.num_tokens), LoraBatch(tuple(rest), lora.num_tokens) if rest else None)
+        out = FusedSplit(LoraBatch(tuple(fused), lora.num_tokens),
+                         LoraBatch(tuple(rest), lora.num_tokens) if rest else None)
     lora.plan_cache["cpu_fused_split"] = out
     return out
 

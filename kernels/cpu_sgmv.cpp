@@ -284,7 +284,8 @@ template <> struct Unaligned<vecv> { using type = vecv_u; };
 #if defined(__AVX512F__)  // VEC is 16: vec8 is a type of its own
 template <> struct Unaligned<vec8> { using type = vec8_u; };
 #endif
-template <typename T> inline T vload(const float* p) { return *reinterpret_cast<const typename Unaligned<T>::type*>(p); }
+template <typename T>
+inline T vload(const float* p) { return *reinterpret_cast<const typename Unaligned<T>::type*>(p); }
 template <typename T> inline void vstore(float* p, T v) { *reinterpret_cast<typename Unaligned<T>::type*>(p) = v; }
 
 bool long_ok(int64_t rank, int64_t d) { return rank > 0 && rank <= MAX_RANK && rank % 8 == 0 && d % VEC == 0; }
@@ -478,7 +479,8 @@ struct SegTables {
 void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
                 torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
                 int64_t rows_per_page, int64_t layer, int64_t module, int64_t max_len) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat, "cpu_sgmv.apply_lora takes float32 tensors");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
+              "cpu_sgmv.apply_lora takes float32 tensors");
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y [T, out] and x [T, in] expected");
   TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "y and x need contiguous columns");
   const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
@@ -526,9 +528,9 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
 // packed GEMM applies in its epilogue (cpu_linear.linear_lora), for modules sharing one input x (q, k,
 // v; gate, up) in one pass over x. Every (segment, module) must satisfy long_ok; other columns of s
 // are left as they are.
-void shrink_segments(torch::Tensor s, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start, torch::Tensor seg_len,
-            torch::Tensor layout, torch::Tensor scales, torch::Tensor pages, int64_t rows_per_page, int64_t layer,
-            std::vector<int64_t> modules, std::vector<int64_t> s_cols) {
+void shrink_segments(torch::Tensor s, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
+                     torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
+                     int64_t rows_per_page, int64_t layer, std::vector<int64_t> modules, std::vector<int64_t> s_cols) {
   TORCH_CHECK(s.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat, "cpu_sgmv.shrink takes float32 tensors");
   TORCH_CHECK(s.dim() == 2 && x.dim() == 2 && s.size(0) == x.size(0), "s [T, W] and x [T, in] expected");
   TORCH_CHECK(s.stride(1) == 1 && x.stride(1) == 1, "s and x need contiguous columns");

@@ -22,6 +22,7 @@ MAX_RANK = 256  # cpu_sgmv.cpp's per-token accumulator
 # 9.0 ms through the token-block loops, 10.4 ms through the GEMM pairs.
 LONG_SEGMENT = 16
 
+
 def available() -> bool:
     return load_extension("cpu_sgmv") is not None
 

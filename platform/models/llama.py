@@ -3,7 +3,8 @@
 No padding and no per-request loop over layers: every step runs each layer once over all T
 tokens of the batch (prefill chunks and decode tokens of different requests together). The
 K/V of every token goes into the unified pool; attention reads it back through block tables;
-LoRA deltas are added per token segment by the SGMV kernels, reading adapter rows from the pool.
+LoRA deltas are added per token segment by the SGMV kernels, reading adapter rows from the pool
+(on the CPU, those of prefill segments inside the projections' GEMMs: kernels/cpu_lora_gemm.py).
 """
 
 from __future__ import annotations
@@ -189,7 +190,8 @@ class LlamaModel:
         self.qkv_splits = (cfg.q_size, cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
         # Which LoRA module owns which output columns of each fused projection (the GEMM's LoRA epilogue).
         h, i2 = cfg.hidden_size, 2 * cfg.intermediate_size
-        self.lora_columns = {"qkv": ModuleColumns((Q, K, V), (0, *self.qkv_splits)), "o": ModuleColumns((O,), (0, h)),
+        self.lora_columns = {"qkv": ModuleColumns((Q, K, V), (0, *self.qkv_splits)),
+                             "o": ModuleColumns((O,), (0, h)),
                              "gate_up": ModuleColumns((GATE, UP), (0, cfg.intermediate_size, i2)),
                              "down": ModuleColumns((DOWN,), (0, h))}
         self._gemm_lora: dict[int, bool] = {}  # pool row width -> whether the epilogue applies
@@ -198,7 +200,8 @@ class LlamaModel:
         """Whether prefill LoRA can go into the packed GEMM's epilogue with pool rows of d elements."""
         hit = self._gemm_lora.get(d)
         if hit is None:
-            hit = self._gemm_lora[d] = self.layout == "packed" and cpu_lora_gemm.applies(d, tuple(self.lora_columns.values()))
+            hit = self.layout == "packed" and cpu_lora_gemm.applies(d, tuple(self.lora_columns.values()))
+            self._gemm_lora[d] = hit
         return hit
 
     def _project(self, x: torch.Tensor, w, b: torch.Tensor | None, layer: int, cols: str,
