@@ -71,7 +71,10 @@ def _compile(stem: str) -> ModuleType:
     # checkouts with different sources do not rebuild each other's. It also carries the CPU's
     # identity: a build for -march=native of one CPU can hold instructions another lacks (AVX-512
     # on the dev machine, not on an AVX2 one), and a home folder may move between machines.
-    key = src.read_bytes() + " ".join(CFLAGS).encode() + cpu_identity().encode()
+    # The headers beside the sources (cpu_pool_tables.h) are part of every build's key: a changed
+    # header rebuilds the kernels that may include it.
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
+    key = src.read_bytes() + headers + " ".join(CFLAGS).encode() + cpu_identity().encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     name = f"loraplex_{stem}_{digest}"
     return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,

@@ -23,6 +23,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_pool_tables.h"
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -127,35 +129,29 @@ void rows_by_panel(const float* x, int64_t xs, int64_t m0, int64_t m, const floa
 }
 
 // Where the adapters' deltas go in linear_lora: the rows of each segment (one adapter) and, per panel,
-// that adapter's B^T columns, read in place from the unified pool through the segment's page table
-// (pool: [pages * rows_per_page, D] rows; logical row l of an adapter lives in page table[l / rows_per_page]).
+// that adapter's B^T columns, read in place from the unified pool through the segment's page table.
 struct LoraPlan {
   static constexpr int MAX_RANK = 256;
   struct Piece { int64_t r0, r1, seg; };  // rows [r0, r1) of segment seg (-1: no adapter)
-  std::vector<Piece> pieces;               // in row order, covering every row
-  const float* s = nullptr;                // [M, W] shrink outputs, scale applied
-  int64_t ss = 0;
-  const float* pool = nullptr;
-  int64_t d = 0, page_elems = 0;
-  const int32_t* layout = nullptr;  // [S, L, NM, 3]: rank, a_row, b_row (logical rows)
-  int64_t num_layers = 0, num_modules = 0, layer = 0;
-  const int32_t* pages = nullptr;  // [S, max_pages]
-  int64_t max_pages = 0;
+  SegTables tb;
+  int64_t layer;
+  const float* s;  // [M, W] shrink outputs, scale applied
+  int64_t ss;
   std::vector<int64_t> modules, bounds, s_cols;  // module i: output columns [bounds[i], bounds[i + 1])
+  std::vector<Piece> pieces;                     // in row order, covering every row
 
   // The epilogue of segment seg's rows (from row r) at panel columns [c, c + NR).
   Epilogue at(int64_t seg, int64_t r, int64_t c, const float** bcol) const {
     size_t i = 0;
     while (c >= bounds[i + 1]) ++i;
-    const int32_t* l = layout + ((seg * num_layers + layer) * num_modules + modules[i]) * 3;
+    const int32_t* l = tb.entry(seg, layer, modules[i]);
     const int rank = l[0];
     const int64_t out = bounds[i + 1] - bounds[i];
-    for (int k = 0; k < rank; ++k) {
-      // B^T [rank, out] is stored row-major from logical row b_row; NR columns lie in one D-wide pool row.
-      const int64_t e = static_cast<int64_t>(l[2]) * d + k * out + (c - bounds[i]);
-      const int64_t page = e / page_elems;
-      bcol[k] = pool + static_cast<int64_t>(pages[seg * max_pages + page]) * page_elems + (e - page * page_elems);
-    }
+    const Pages pg = tb.pages_of(seg);
+    int64_t run;
+    // B^T [rank, out] is stored row-major from logical row b_row; NR columns lie in one D-wide pool row.
+    const int64_t first = static_cast<int64_t>(l[2]) * tb.d + (c - bounds[i]);
+    for (int k = 0; k < rank; ++k) bcol[k] = pg.at(first + k * out, &run);
     return Epilogue{s + r * ss + s_cols[i], ss, bcol, rank};
   }
 };
@@ -221,47 +217,36 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch:
 
 // linear, plus each segment's LoRA delta: y[seg rows, module i's columns] += s[seg rows, s_cols[i] :
 // s_cols[i] + rank] @ B^T (s from cpu_sgmv.shrink, scale applied). The segment table is the batch's
-// LoraDeviceTensors (seg_start/seg_len [S], layout [S, L, 7, 3], pages [S, P], int32); modules[i]
+// LoraDeviceTensors (SegTables; the scales are already in s); modules[i]
 // owns output columns [bounds[i], bounds[i + 1]). Needs D and every bound a multiple of NR (a panel
 // lies in one module and its B^T columns in one pool row); segments must not overlap.
 torch::Tensor linear_lora(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n,
                           torch::Tensor s, torch::Tensor pool_rows, torch::Tensor seg_start, torch::Tensor seg_len,
-                          torch::Tensor layout, torch::Tensor pages, int64_t rows_per_page, int64_t layer,
-                          std::vector<int64_t> modules, std::vector<int64_t> bounds, std::vector<int64_t> s_cols) {
+                          torch::Tensor layout, torch::Tensor scales, torch::Tensor pages, int64_t rows_per_page,
+                          int64_t layer, std::vector<int64_t> modules, std::vector<int64_t> bounds,
+                          std::vector<int64_t> s_cols) {
   TORCH_CHECK(s.dim() == 2 && s.scalar_type() == at::kFloat && s.stride(1) == 1 && s.size(0) == x.size(0),
               "s must be float32 [M, W] with contiguous columns");
-  TORCH_CHECK(pool_rows.dim() == 2 && pool_rows.scalar_type() == at::kFloat && pool_rows.is_contiguous(),
-              "pool_rows must be a contiguous float32 [R, D] tensor");
-  TORCH_CHECK(layout.dim() == 4 && layout.size(3) == 3 && layout.scalar_type() == at::kInt && layout.is_contiguous() &&
-                  pages.dim() == 2 && pages.scalar_type() == at::kInt && pages.is_contiguous() &&
-                  seg_start.scalar_type() == at::kInt && seg_len.scalar_type() == at::kInt &&
-                  seg_start.is_contiguous() && seg_len.is_contiguous(),
-              "segment tables: contiguous int32");
-  const int64_t d = pool_rows.size(1), S = seg_start.size(0), M = x.size(0);
+  LoraPlan plan{SegTables(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer), layer,
+                s.data_ptr<float>(), s.stride(0)};
+  const int64_t d = plan.tb.d, S = plan.tb.num_segs, M = x.size(0);
   TORCH_CHECK(d % NR == 0, "the pool row width ", d, " is not a multiple of the panel width ", NR);
   TORCH_CHECK(modules.size() + 1 == bounds.size() && modules.size() == s_cols.size() && !modules.empty(),
               "one s column and one column range per module");
   TORCH_CHECK(bounds.front() == 0 && bounds.back() == n, "module columns must cover the output");
-  TORCH_CHECK(layer >= 0 && layer < layout.size(1), "layer out of range");
-  LoraPlan plan;
-  plan.s = s.data_ptr<float>(), plan.ss = s.stride(0);
-  plan.pool = pool_rows.data_ptr<float>(), plan.d = d, plan.page_elems = rows_per_page * d;
-  plan.layout = layout.data_ptr<int32_t>(), plan.num_layers = layout.size(1), plan.num_modules = layout.size(2);
-  plan.layer = layer, plan.pages = pages.data_ptr<int32_t>(), plan.max_pages = pages.size(1);
   for (size_t i = 0; i < modules.size(); ++i) {
     TORCH_CHECK(bounds[i] % NR == 0 && bounds[i + 1] > bounds[i] && (bounds[i + 1] - bounds[i]) % d == 0,
                 "module columns must be non-empty multiples of the panel width and of D");
-    TORCH_CHECK(modules[i] >= 0 && modules[i] < plan.num_modules, "module out of range");
+    TORCH_CHECK(modules[i] >= 0 && modules[i] < plan.tb.num_modules, "module out of range");
     for (int64_t g = 0; g < S; ++g) {
-      const int32_t rank = plan.layout[((g * plan.num_layers + layer) * plan.num_modules + modules[i]) * 3];
+      const int32_t rank = plan.tb.entry(g, layer, modules[i])[0];
       TORCH_CHECK(rank >= 0 && rank <= LoraPlan::MAX_RANK && s_cols[i] + rank <= s.size(1),
                   "rank ", rank, " does not fit s or the epilogue");
     }
   }
   plan.modules = std::move(modules), plan.bounds = std::move(bounds), plan.s_cols = std::move(s_cols);
   std::vector<std::pair<int64_t, int64_t>> segs;  // (start, segment)
-  const int32_t* st = seg_start.data_ptr<int32_t>();
-  const int32_t* ln = seg_len.data_ptr<int32_t>();
+  const int32_t *st = plan.tb.st, *ln = plan.tb.ln;
   for (int64_t g = 0; g < S; ++g) {
     TORCH_CHECK(st[g] >= 0 && ln[g] >= 0 && st[g] + ln[g] <= M, "segment outside the batch");
     if (ln[g] > 0) segs.emplace_back(st[g], g);

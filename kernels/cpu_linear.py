@@ -35,12 +35,9 @@ def panel_width() -> int:
 
 
 def pack(w: torch.Tensor) -> PackedWeight:  # w [out, in] float32 on the CPU
-    ext = load_extension(STEM)
-    if ext is None:
-        raise RuntimeError("the C++ linear kernel is not built here (kernels.cpu_build.build_error('cpu_linear'))")
+    nr = panel_width()  # raises where the kernel is not built
     if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
         raise ValueError(f"pack takes a 2-D float32 CPU weight, got {tuple(w.shape)} {w.dtype} on {w.device}")
-    nr = panel_width()
     out, k = w.shape
     p = -(-out // nr)
     padded = torch.zeros(p * nr, k, dtype=w.dtype)

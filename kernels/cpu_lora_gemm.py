@@ -55,9 +55,7 @@ def split(lora: LoraBatch, d: int) -> FusedSplit:
         return hit
     fused, rest = [], []
     for seg in lora.segments:
-        long = seg.length > cpu_sgmv.LONG_SEGMENT
-        ok = long and all(cpu_sgmv.long_ok(slot.rank, d) for slot in seg.adapter.slots.values())
-        (fused if ok else rest).append(seg)
+        (fused if seg.length > cpu_sgmv.LONG_SEGMENT and _blocked_ranks(seg.adapter, d) else rest).append(seg)
     if not fused:  # a decode step: the batch as it is, with the tables and plans it has built
         out = FusedSplit(None, lora)
     else:
@@ -65,6 +63,16 @@ def split(lora: LoraBatch, d: int) -> FusedSplit:
                          LoraBatch(tuple(rest), lora.num_tokens) if rest else None)
     lora.plan_cache["cpu_fused_split"] = out
     return out
+
+
+def _blocked_ranks(adapter, d: int) -> bool:
+    """Whether every rank of a resident adapter is one the blocked kernels take; cached on its residency
+    (it depends only on its modules), not asked of the kernel for each of its 210 slots every step."""
+    key = ("cpu_blocked_ranks", d)
+    hit = adapter.kernel_cache.get(key)
+    if hit is None:
+        hit = adapter.kernel_cache[key] = all(cpu_sgmv.long_ok(slot.rank, d) for slot in adapter.slots.values())
+    return hit
 
 
 def linear_lora(
@@ -86,5 +94,5 @@ def linear_lora(
     load_extension("cpu_sgmv").shrink(s, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
                                       rows_per_page, layer, list(cols.modules), s_cols)
     return load_extension("cpu_linear").linear_lora(x, w.panels, b, w.out_features, s, pool_rows, t.seg_start,
-                                                    t.seg_len, t.layout, t.pages, rows_per_page, layer,
+                                                    t.seg_len, t.layout, t.scales, t.pages, rows_per_page, layer,
                                                     list(cols.modules), list(cols.bounds), s_cols)
