@@ -5,22 +5,33 @@
 // rank-16 SmolLM2 adapter's load on the dev CPU, on the path of every host-cache miss.
 //
 // The copy is bytes only (same dtype in and out), so one template per element size serves every
-// floating dtype. Tiles of TILE x TILE keep both the reads and the writes within a few cache lines.
+// floating dtype. Sources with contiguous rows and 4-byte elements go through 8 x 8 blocks
+// transposed in AVX registers (where the build has AVX2); the rest through tiles of TILE x TILE
+// scalars, which keep both the reads and the writes within a few cache lines.
+//
+// Optionally the same call tells which sources hold a NaN or an Inf: the packed copy is checked
+// while it is still in cache, instead of a separate pass over the adapter's bytes in memory (that
+// pass, torch's foreach norm, cost about as much as the packing itself).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int64_t TILE = 16;
 
 template <typename T>
-void transpose_one(const T* src, int64_t m, int64_t n, int64_t s0, int64_t s1, T* dst) {
-  for (int64_t i0 = 0; i0 < m; i0 += TILE) {
+void transpose_tiles(const T* src, int64_t m, int64_t n, int64_t s0, int64_t s1, T* dst, int64_t i_begin) {
+  for (int64_t i0 = i_begin; i0 < m; i0 += TILE) {
     const int64_t i1 = std::min(m, i0 + TILE);
     for (int64_t j0 = 0; j0 < n; j0 += TILE) {
       const int64_t j1 = std::min(n, j0 + TILE);
@@ -33,22 +44,84 @@ void transpose_one(const T* src, int64_t m, int64_t n, int64_t s0, int64_t s1, T
   }
 }
 
+#if defined(__AVX2__)
+// dst[j * ld_dst + i] = src[i * ld_src + j] for an 8 x 8 block of 4-byte elements (bits only).
+inline void block8x8(const uint32_t* src, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
+  __m256 r[8], t[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(reinterpret_cast<const float*>(src + k * ld_src));
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    r[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
+    r[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+    r[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+    r[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm256_permute2f128_ps(r[k], r[k + 4], 0x20);
+    t[k + 4] = _mm256_permute2f128_ps(r[k], r[k + 4], 0x31);
+  }
+  for (int k = 0; k < 8; ++k) _mm256_storeu_ps(reinterpret_cast<float*>(dst + k * ld_dst), t[k]);
+}
+#endif
+
 template <typename T>
-void run(const std::vector<torch::Tensor>& srcs, const int64_t* offsets, T* out) {
+void transpose_one(const T* src, int64_t m, int64_t n, int64_t s0, int64_t s1, T* dst) {
+  int64_t done = 0;  // source rows (destination columns) already written by the vector blocks
+#if defined(__AVX2__)
+  if constexpr (sizeof(T) == 4) {
+    if (s1 == 1 && m >= 8 && n >= 8) {
+      const int64_t m8 = m / 8 * 8, n8 = n / 8 * 8;
+      for (int64_t i0 = 0; i0 < m8; i0 += 8) {
+        const uint32_t* s = reinterpret_cast<const uint32_t*>(src) + i0 * s0;
+        uint32_t* d = reinterpret_cast<uint32_t*>(dst) + i0;
+        for (int64_t j0 = 0; j0 < n8; j0 += 8) block8x8(s + j0, s0, d + j0 * m, m);
+        for (int64_t j = n8; j < n; ++j)  // the last n % 8 columns of these rows
+          for (int64_t i = 0; i < 8; ++i) d[j * m + i] = s[i * s0 + j];
+      }
+      done = m8;
+    }
+  }
+#endif
+  transpose_tiles<T>(src, m, n, s0, s1, dst, done);
+}
+
+template <typename T>
+bool any_nonfinite(const T* p, int64_t count, T mask) {
+  // All exponent bits set (an Inf or a NaN in any IEEE format, given its exponent mask) is
+  // ~p & mask == 0: one unsigned min over the elements, which compilers vectorize (an OR of
+  // comparisons into a bool they did not, and it cost as much as the transpose).
+  T least = mask;
+  for (int64_t k = 0; k < count; ++k) least = std::min<T>(least, static_cast<T>(~p[k] & mask));
+  return count > 0 && least == 0;
+}
+
+template <typename T>
+int64_t run(const std::vector<torch::Tensor>& srcs, const int64_t* offsets, T* out, T mask) {
+  std::vector<uint8_t> bad(srcs.size(), 0);
   at::parallel_for(0, static_cast<int64_t>(srcs.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const torch::Tensor& s = srcs[k];
-      transpose_one<T>(static_cast<const T*>(s.data_ptr()), s.size(0), s.size(1), s.stride(0), s.stride(1),
-                       out + offsets[k]);
+      T* dst = out + offsets[k];
+      transpose_one<T>(static_cast<const T*>(s.data_ptr()), s.size(0), s.size(1), s.stride(0), s.stride(1), dst);
+      if (mask != 0) bad[k] = any_nonfinite<T>(dst, s.numel(), mask);
     }
   });
+  for (size_t k = 0; k < bad.size(); ++k)
+    if (bad[k]) return static_cast<int64_t>(k);
+  return -1;
 }
 
 }  // namespace
 
 // out: flat contiguous [N]; srcs: 2-D tensors of out's dtype on the CPU; offsets: [len(srcs)] int64,
 // the first element of each transposed matrix in out. Every write is checked to lie inside out.
-void transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch::Tensor offsets) {
+// nonfinite_mask: 0, or the dtype's exponent bits (float32: 0x7F800000): then the index of the first
+// source holding a NaN or an Inf is returned (everything is written regardless), else -1.
+int64_t transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch::Tensor offsets,
+                       int64_t nonfinite_mask) {
   TORCH_CHECK(out.is_contiguous() && out.dim() == 1 && out.device().is_cpu(), "out must be a flat contiguous CPU tensor");
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() &&
                   offsets.numel() == static_cast<int64_t>(srcs.size()),
@@ -60,15 +133,23 @@ void transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch::T
                 "source ", k, " must be a 2-D CPU tensor of the output's dtype");
     TORCH_CHECK(off[k] >= 0 && off[k] + s.numel() <= out.numel(), "source ", k, " does not fit in out");
   }
+  const uint64_t mask = static_cast<uint64_t>(nonfinite_mask);
   switch (out.element_size()) {
-    case 2: run<uint16_t>(srcs, off, static_cast<uint16_t*>(out.data_ptr())); break;
-    case 4: run<uint32_t>(srcs, off, static_cast<uint32_t*>(out.data_ptr())); break;
-    case 8: run<uint64_t>(srcs, off, static_cast<uint64_t*>(out.data_ptr())); break;
+    case 2:
+      TORCH_CHECK(mask <= 0xFFFF, "nonfinite_mask wider than the element");
+      return run<uint16_t>(srcs, off, static_cast<uint16_t*>(out.data_ptr()), static_cast<uint16_t>(mask));
+    case 4:
+      TORCH_CHECK(mask <= 0xFFFFFFFFull, "nonfinite_mask wider than the element");
+      return run<uint32_t>(srcs, off, static_cast<uint32_t*>(out.data_ptr()), static_cast<uint32_t>(mask));
+    case 8: return run<uint64_t>(srcs, off, static_cast<uint64_t*>(out.data_ptr()), mask);
     default: TORCH_CHECK(false, "element size ", out.element_size(), " is not supported");
   }
+  return -1;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("transpose_into", &transpose_into, "write each source transposed into a flat output, at its offset",
+  m.def("transpose_into", &transpose_into,
+        "write each source transposed into a flat output, at its offset; the first source with a NaN or Inf",
+        py::arg("srcs"), py::arg("out"), py::arg("offsets"), py::arg("nonfinite_mask") = 0,
         py::call_guard<py::gil_scoped_release>());
 }

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from loraplex.errors import AdapterError
+from loraplex.lora.finite import first_nonfinite
 from loraplex.lora.types import MODULE_INDEX, TARGET_MODULES, LoraModuleWeights
 
 from .geometry import RowLayout
@@ -73,38 +74,50 @@ def assign_rows(layout: RowLayout, name: str, modules: Sequence[LoraModuleWeight
     return RowAssignment(slots, tuple(ordered), row, max_rank, table, scales)
 
 
-def write_rows(modules: Sequence[LoraModuleWeights], row_width: int, out: torch.Tensor) -> None:
+def write_rows(modules: Sequence[LoraModuleWeights], row_width: int, out: torch.Tensor,
+               check_finite: bool = False) -> int | None:
     """Write A^T [in, rank] then B^T [rank, out] of each module (in packing order) into out
-    ([>= num_rows, D]) back to back, casting to out's dtype."""
-    if _write_rows_cpp(modules, out):
-        return
+    ([>= num_rows, D]) back to back, casting to out's dtype. With check_finite: the index, in
+    [A_0, B_0, A_1, B_1, ...], of the first matrix whose written copy holds a NaN or an Inf (all
+    are written regardless), else None; without it, None."""
+    found = _write_rows_cpp(modules, out, check_finite)
+    if found is not None:
+        return found if found >= 0 else None
     row = 0
+    spans = []  # [first row, end row) of each written matrix, for the check
     for m in modules:
-        n = m.a.numel() // row_width
-        _copy(out[row : row + n].view(m.a.shape[1], m.a.shape[0]), m.a, transpose=True)
-        row += n
-        n = m.b.numel() // row_width
-        _copy(out[row : row + n].view(m.b.shape[1], m.b.shape[0]), m.b, transpose=True)
-        row += n
+        for w in (m.a, m.b):
+            n = w.numel() // row_width
+            _copy(out[row : row + n].view(w.shape[1], w.shape[0]), w, transpose=True)
+            spans.append((row, row + n))
+            row += n
+    if not check_finite:
+        return None
+    return first_nonfinite([out[lo:hi] for lo, hi in spans])
 
 
-def _write_rows_cpp(modules: Sequence[LoraModuleWeights], out: torch.Tensor) -> bool:
+# All exponent bits set (an Inf or a NaN) in each float format: the C++ packer's check.
+_EXPONENT_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
+                  torch.float64: 0x7FF0000000000000}
+
+
+def _write_rows_cpp(modules: Sequence[LoraModuleWeights], out: torch.Tensor, check_finite: bool) -> int | None:
     """write_rows in one call of the C++ packer (kernels/cpu_pack.cpp), where it applies: a
-    contiguous CPU output and sources of its dtype (no cast). False where it did nothing."""
-    if out.device.type != "cpu" or not out.is_contiguous() or out.dtype.itemsize not in (2, 4, 8):
-        return False
+    contiguous CPU output and sources of its dtype (no cast). None where it did nothing, else the
+    packer's answer: the index of the first matrix holding a NaN or an Inf, or -1."""
+    if out.device.type != "cpu" or not out.is_contiguous() or out.dtype not in _EXPONENT_MASK:
+        return None
     srcs = [t for m in modules for t in (m.a, m.b)]
     if any(t.dtype != out.dtype or t.device.type != "cpu" for t in srcs):
-        return False
+        return None
     from loraplex.kernels.cpu_build import load_extension  # lazily: the pager never needs the kernels
 
     ext = load_extension("cpu_pack")
     if ext is None:
-        return False
+        return None
     sizes = torch.tensor([t.numel() for t in srcs], dtype=torch.int64)  # [2M]
     offsets = sizes.cumsum(0) - sizes  # [2M] first element of each matrix: back to back, as below
-    ext.transpose_into(srcs, out.view(-1), offsets)
-    return True
+    return ext.transpose_into(srcs, out.view(-1), offsets, _EXPONENT_MASK[out.dtype] if check_finite else 0)
 
 
 # numpy's transposing copy against torch's (dev CPU, float32, 1 thread): about 2x faster for

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from loraplex.errors import AdapterError
+from loraplex.lora.peft_config import llama_module_name
 from loraplex.lora.types import MODULE_INDEX, LoraAdapter, LoraModuleWeights
 
 from .adapter_rows import RowAssignment, assign_rows, write_rows
@@ -45,10 +47,14 @@ class PackedRows:
         return self.rows.numel() * self.rows.element_size()
 
 
-def pack_adapter(adapter: LoraAdapter, layout: RowLayout, pin_memory: bool = False) -> LoraAdapter:
+def pack_adapter(adapter: LoraAdapter, layout: RowLayout, pin_memory: bool = False,
+                 check_finite: bool = False) -> LoraAdapter:
     """The adapter with its weights packed for `layout` (cast to layout.dtype), its modules' a/b
-    views of the packed rows. AdapterError if a module does not fit the layout. Returns the adapter
-    itself if it is already packed for this layout (and pinned, when pin_memory asks for it)."""
+    views of the packed rows. AdapterError if a module does not fit the layout, or (check_finite)
+    if a packed matrix holds a NaN or an Inf: the packing copy is checked while in cache, which
+    costs far less than a separate pass over the adapter. Returns the adapter itself if it is
+    already packed for this layout (and pinned, when pin_memory asks for it): its rows were checked
+    when they were packed, if ever."""
     old = adapter.packed
     if old is not None and old.layout == layout and (old.rows.is_pinned() or not pin_memory):
         return adapter
@@ -56,7 +62,11 @@ def pack_adapter(adapter: LoraAdapter, layout: RowLayout, pin_memory: bool = Fal
     asg = assign_rows(layout, adapter.name, adapter.modules)
     # Page-locked when asked: a CUDA pool then copies it without a staging copy, asynchronously.
     rows = torch.empty(asg.num_rows, d, dtype=layout.dtype, pin_memory=pin_memory)  # [num_rows, D]
-    write_rows(asg.modules, d, rows)
+    bad = write_rows(asg.modules, d, rows, check_finite)
+    if bad is not None:
+        m = asg.modules[bad // 2]
+        raise AdapterError(f"adapter {adapter.name!r}: {llama_module_name(m.layer, m.module)} "
+                           f"{('lora_A', 'lora_B')[bad % 2]} contains NaN or Inf values")
     views: dict[tuple[int, int], LoraModuleWeights] = {}
     for m in adapter.modules:
         s = asg.slots[(m.layer, MODULE_INDEX[m.module])]

@@ -31,13 +31,12 @@ from pathlib import Path
 
 from loraplex.adapter_store.engine_bridge import EngineAdapterBridge
 from loraplex.adapter_store.host_cache import HostCache
-from loraplex.adapter_store.loader import LoadTimings
+from loraplex.adapter_store.loader import LoadTimings, load_packed_folder
 from loraplex.adapter_store.schemas import AdapterPublic
 from loraplex.config import EngineConfig
 from loraplex.engine import EngineCore
-from loraplex.lora.peft_loader import load_peft_adapter
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter
-from loraplex.unified_pager import RowLayout, pack_adapter
+from loraplex.unified_pager import RowLayout
 
 import traces as T
 
@@ -77,10 +76,8 @@ class FolderStore:
 
     def _load(self, ref: AdapterPublic) -> tuple[LoraAdapter, LoadTimings]:
         t0 = time.perf_counter()
-        adapter = load_peft_adapter(ref.name, ref.storage_key, self._model, self.config.max_lora_rank, self._dtype)
-        t1 = time.perf_counter()
-        packed = pack_adapter(adapter, self._layout)
-        return packed, LoadTimings(0.0, 0.0, t1 - t0, adapter.nbytes, time.perf_counter() - t1)
+        packed = load_packed_folder(ref.name, ref.storage_key, self._model, self.config.max_lora_rank, self._layout)
+        return packed, LoadTimings(0.0, 0.0, time.perf_counter() - t0, packed.nbytes, 0.0)
 
     def resolve(self, tenant_id: str, name: str) -> AdapterPublic:
         return self.refs[name]

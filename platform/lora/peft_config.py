@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from loraplex.errors import AdapterError
 from loraplex.lora.types import TARGET_MODULES
@@ -100,6 +101,7 @@ class AdapterConfigInfo:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
 
+@lru_cache(maxsize=4096)  # asked for every module of every load: a few hundred distinct names
 def llama_module_name(layer: int, module: str) -> str:
     """The module's name in a transformers Llama-family model, which PEFT matches patterns against."""
     return f"model.layers.{layer}.{MODULE_BLOCK[module]}.{module}"

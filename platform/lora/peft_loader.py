@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import re
 import struct
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
 from loraplex.errors import AdapterError, ConfigError
+from loraplex.lora.finite import first_nonfinite
 from loraplex.lora.peft_config import MODULE_BLOCK, AdapterConfigInfo, llama_module_name, validate_adapter_config
 from loraplex.lora.safetensors_views import read_views
 from loraplex.lora.types import MODULE_INDEX, LoraAdapter, LoraModuleWeights
@@ -39,8 +41,12 @@ def load_peft_adapter(
     model: ModelConfig,
     max_lora_rank: int,
     dtype: torch.dtype = torch.float32,
+    check_finite: bool = True,
 ) -> LoraAdapter:
-    """Read, validate and cast a PEFT LoRA adapter for `model`; raise AdapterError naming what is wrong."""
+    """Read, validate and cast a PEFT LoRA adapter for `model`; raise AdapterError naming what is wrong.
+    check_finite=False skips the NaN/Inf scan of weights that need no cast: only for a caller that
+    checks them in a pass of its own (pack_adapter(check_finite=True), see load_packed_folder).
+    Cast weights are always checked (a cast can overflow)."""
     if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
         raise ConfigError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
     if not dtype.is_floating_point:
@@ -50,7 +56,7 @@ def load_peft_adapter(
         raw_config = _read_config(folder)
         info = validate_adapter_config(raw_config)
         tensors = _read_weights(folder / WEIGHTS_FILE)
-        modules = _build_modules(tensors, info, model, max_lora_rank, dtype)
+        modules = _build_modules(tensors, info, model, max_lora_rank, dtype, check_finite)
     except AdapterError as e:
         raise AdapterError(f"adapter {name!r} at {folder}: {e}") from e
     return LoraAdapter(
@@ -117,6 +123,9 @@ def _check_safetensors_header(path: Path) -> None:
     raise AdapterError(f"{WEIGHTS_FILE} is {kind}; it is refused and never unpickled")
 
 
+# Cached: every adapter of one base model has the same few hundred keys, and each load parses each
+# key twice (the early refusal of unknown names, then the pairing); refusals raise, so are not cached.
+@lru_cache(maxsize=8192)
 def _parse_key(key: str) -> tuple[int, str, str, str | None]:
     """(layer, module, 'lora_A' | 'lora_B', adapter-name segment or None), or AdapterError naming the key."""
     m = _KEY.match(key)
@@ -143,6 +152,7 @@ def _build_modules(
     model: ModelConfig,
     max_lora_rank: int,
     dtype: torch.dtype,
+    check_finite: bool = True,
 ) -> tuple[LoraModuleWeights, ...]:
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     adapter_segments: set[str | None] = set()
@@ -169,8 +179,10 @@ def _build_modules(
         _module_weights(layer, module, slot, info, model, max_lora_rank, dtype)
         for (layer, module), slot in pairs.items()
     ]
-    _check_finite([(key, t) for slot in pairs.values() for key, t in slot.values()], "contains NaN or Inf values")
-    if any(t.dtype != dtype for t in tensors.values()):  # e.g. fp32 values beyond float16's range
+    cast_needed = any(t.dtype != dtype for t in tensors.values())
+    if check_finite or cast_needed:
+        _check_finite([(key, t) for slot in pairs.values() for key, t in slot.values()], "contains NaN or Inf values")
+    if cast_needed:  # e.g. fp32 values beyond float16's range
         cast = [(slot[half][0], t) for slot, m in zip(pairs.values(), modules)
                 for half, t in (("lora_A", m.a), ("lora_B", m.b))]
         _check_finite(cast, f"has values too large for {dtype}")
@@ -218,18 +230,9 @@ def _module_weights(
     )
 
 
-_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def _check_finite(named: list[tuple[str, torch.Tensor]], problem: str) -> None:
-    """AdapterError naming the first tensor with a NaN or Inf. One fused reduction over all tensors
-    first (a NaN or Inf makes its tensor's norm non-finite; isfinite per tensor cost ~40 ms per
-    adapter on the dev CPU); only when some norm is not finite (or overflowed) is each one checked."""
-    if not named:
-        return
-    norms = torch._foreach_norm([t if t.dtype in _NORM_DTYPES else t.float() for _, t in named])
-    if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):
-        return
-    for key, t in named:
-        if not torch.isfinite(t).all():
-            raise AdapterError(f"weights key {key!r} {problem}")
+    """AdapterError naming the first tensor with a NaN or Inf (isfinite per tensor cost ~40 ms per
+    adapter on the dev CPU; first_nonfinite reduces all of them at once first)."""
+    found = first_nonfinite([t for _, t in named])
+    if found is not None:
+        raise AdapterError(f"weights key {named[found][0]!r} {problem}")

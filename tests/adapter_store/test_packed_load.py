@@ -1,14 +1,19 @@
 """The store hands the engine adapters already packed in pool-row layout: same weights, bytes counted
-once, and placed by the engine's pool exactly as the same adapter read from its folder."""
+once, and placed by the engine's pool exactly as the same adapter read from its folder. A folder read
+straight into packed rows (load_packed_folder) keeps every refusal of the folder loader."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from adapter_files import write_peft_adapter
 from engine_setup import tiny_llm
-from loraplex.lora.peft_loader import load_peft_adapter
-from loraplex.unified_pager import RowLayout, UnifiedPager
+from loraplex.adapter_store.loader import load_packed_folder
+from loraplex.errors import AdapterError
+from loraplex.lora.peft_loader import WEIGHTS_FILE, load_peft_adapter
+from loraplex.unified_pager import RowLayout, UnifiedPager, pack_adapter
 from loraplex.unified_pager.adapter_pages import plan_adapter
 from store_helpers import assert_same_adapter, new_tenant
 
@@ -39,3 +44,29 @@ def test_loaded_adapters_are_packed_for_the_engines_pool(make_store, tiny_config
     assert res is not None and from_folder.load_adapter("k", direct) is not None
     assert torch.equal(from_store.pool.tensor, from_folder.pool.tensor)
     assert from_store.pool.rows()[res.row_index].abs().sum() > 0
+
+
+def test_a_folder_loaded_packed_equals_load_then_pack(tiny_config, tmp_path):
+    folder = write_peft_adapter(tmp_path / "a", tiny_config, r=8, targets=ALL)
+    layout = RowLayout.for_model(tiny_config, torch.float32)
+    got = load_packed_folder("a", folder, tiny_config, 16, layout)
+    want = pack_adapter(load_peft_adapter("a", folder, tiny_config, 16), layout)
+    assert torch.equal(got.packed.rows, want.packed.rows)
+    assert_same_adapter(got, want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_folder_loaded_packed_refuses_non_finite_weights(tiny_config, tmp_path, bad):
+    folder = write_peft_adapter(tmp_path / "a", tiny_config, r=8, targets=ALL)
+    weights = load_file(folder / WEIGHTS_FILE)
+    key = "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    t = weights[key].clone()
+    t.view(-1)[int(torch.randint(t.numel(), ()))] = bad
+    save_file({**weights, key: t}, folder / WEIGHTS_FILE)
+    layout = RowLayout.for_model(tiny_config, torch.float32)
+    with pytest.raises(AdapterError, match=r"'a'.*model\.layers\.1\.mlp\.up_proj lora_B contains NaN or Inf"):
+        load_packed_folder("a", folder, tiny_config, 16, layout)
+    # A cast to a narrower dtype is still checked for overflow, as load_peft_adapter does.
+    save_file({**weights, key: weights[key] * 1e6}, folder / WEIGHTS_FILE)
+    with pytest.raises(AdapterError, match="too large for torch.float16"):
+        load_packed_folder("a", folder, tiny_config, 16, RowLayout.for_model(tiny_config, torch.float16))

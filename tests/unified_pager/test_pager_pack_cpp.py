@@ -1,4 +1,5 @@
-"""The C++ packer (kernels/cpu_pack.cpp) writes exactly the rows of the numpy/torch path of write_rows.
+"""The C++ packer (kernels/cpu_pack.cpp) writes exactly the rows of the numpy/torch path of write_rows,
+and both name the same first matrix holding a NaN or an Inf when asked.
 
 Random modules of mixed ranks and shapes (PEFT's A [r, in] and B [out, r], some given as transposed
 or strided views), in float16/bfloat16/float32/float64, into an output poisoned with NaN; both paths
@@ -38,15 +39,20 @@ def _modules(g: torch.Generator, dtype: torch.dtype, d: int) -> list[LoraModuleW
     return mods
 
 
+def _random_case(dtype: torch.dtype, d: int = 8) -> tuple[torch.Generator, list[LoraModuleWeights], int]:
+    """(generator, modules, rows they pack into) on a fresh seed."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    mods = _modules(g, dtype, d)
+    return g, mods, sum((m.a.numel() + m.b.numel()) // d for m in mods)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_cpp_packer_matches_the_python_path(dtype, monkeypatch):
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     d = 8
-    mods = _modules(g, dtype, d)
-    rows = sum((m.a.numel() + m.b.numel()) // d for m in mods)
+    _, mods, rows = _random_case(dtype, d)
     cpp = torch.full((rows + 3, d), float("nan"), dtype=dtype)
     adapter_rows.write_rows(mods, d, cpp)  # the C++ path: sources and output share the dtype
-    monkeypatch.setattr(adapter_rows, "_write_rows_cpp", lambda modules, out: False)
+    monkeypatch.setattr(adapter_rows, "_write_rows_cpp", lambda *args: None)
     ref = torch.full((rows + 3, d), float("nan"), dtype=dtype)
     adapter_rows.write_rows(mods, d, ref)
     assert torch.equal(cpp[:rows], ref[:rows])
@@ -75,6 +81,51 @@ def test_a_cast_falls_back_to_the_python_path():
     m = LoraModuleWeights(0, "q_proj", 2, 1.0, torch.randn(2, 4, dtype=torch.float64), torch.randn(4, 2,
                                                                                                  dtype=torch.float64))
     out = torch.empty(4, 4, dtype=torch.float32)
-    assert adapter_rows._write_rows_cpp([m], out) is False
+    assert adapter_rows._write_rows_cpp([m], out, True) is None
     adapter_rows.write_rows([m], 4, out)
     assert torch.equal(out[:2].reshape(4, 2), m.a.t().float()) and torch.equal(out[2:].reshape(2, 4), m.b.t().float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_both_paths_name_the_first_non_finite_matrix(dtype, monkeypatch):
+    d = 8
+    g, mods, rows = _random_case(dtype, d)
+    mats = [t for m in mods for t in (m.a, m.b)]
+    assert adapter_rows.write_rows(mods, d, torch.empty(rows, d, dtype=dtype), check_finite=True) is None
+    # Poison two random matrices at random elements (through the views, strided ones included).
+    picks = sorted(torch.randperm(len(mats), generator=g)[:2].tolist())
+    for k, bad in zip(picks, (float("-inf"), float("nan"))):
+        w = mats[k]
+        i, j = (int(torch.randint(s, (), generator=g)) for s in w.shape)
+        w[i, j] = bad
+    got = {}
+    for path in ("cpp", "python"):
+        if path == "python":
+            monkeypatch.setattr(adapter_rows, "_write_rows_cpp", lambda *args: None)
+        out = torch.zeros(rows, d, dtype=dtype)
+        got[path] = adapter_rows.write_rows(mods, d, out, check_finite=True)
+        assert not torch.isfinite(out.float()).all()  # still written, poison and all
+        assert adapter_rows.write_rows(mods, d, out) is None  # not asked: not checked
+    assert got == {"cpp": picks[0], "python": picks[0]}
+
+
+def test_avx_blocks_and_their_edges_transpose_exactly():
+    """Sizes around the 8 x 8 vector blocks (rows and columns 1..20) and the scalar tiles (16)."""
+    ext = load_extension("cpu_pack")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    srcs = [torch.randn(m, n, generator=g) for m in (1, 7, 8, 9, 16, 17, 20) for n in (1, 8, 13, 16, 20)]
+    srcs.append(torch.randn(24, 40, generator=g)[::2, 3:35])  # strided rows: the scalar path
+    sizes = torch.tensor([t.numel() for t in srcs])
+    offsets = sizes.cumsum(0) - sizes
+    out = torch.full((int(sizes.sum()) + 5,), float("nan"))
+    assert ext.transpose_into(srcs, out, offsets, 0x7F800000) == -1
+    for t, o in zip(srcs, offsets.tolist()):
+        assert torch.equal(out[o : o + t.numel()].view(t.shape[1], t.shape[0]), t.t())
+    assert torch.isnan(out[-5:]).all()
+    for k in torch.randperm(len(srcs), generator=g)[:6].tolist():  # a NaN or Inf at either end is seen
+        t = srcs[k]
+        for i, j in ((0, 0), (t.shape[0] - 1, t.shape[1] - 1)):
+            keep = t[i, j].item()
+            t[i, j] = float("inf")
+            assert ext.transpose_into(srcs, out, offsets, 0x7F800000) == k
+            t[i, j] = keep
