@@ -204,22 +204,49 @@ std::vector<const float*> b_rows(const Pages& pg, int64_t e, int64_t n, int64_t 
   return rows;
 }
 
+// Expand as sweeps over B^T's rows: for each k, y_t[:out] += s_t[k] * B^T[k, :out] for the nt tokens,
+// B^T read once front to back (a stream the hardware prefetcher follows) while y's nt rows stay in L1.
+// The AVX2 build's expand: on the AMD EPYC dev CPU the column-chunk loops of expand() spilled their
+// accumulators and stalled on B^T's 16-row column walks (a decode step's 210 calls, 30 adapters of
+// ranks 8/16, 2-3 tokens each: 57 -> 45-51 ms with this and without the B^T prefetch).
+inline void expand_rows(float* __restrict y, int64_t ys, const float (*__restrict s)[MAX_RANK], int nt,
+                        const float* const* rows, int rank, int64_t out, int64_t d) {
+  const int64_t rows_per_k = out / d;
+  for (int k = 0; k < rank; ++k)
+    for (int64_t j = 0; j < rows_per_k; ++j) {
+      const float* __restrict b = rows[k * rows_per_k + j];
+      for (int t = 0; t < nt; ++t) {
+        const float sv = s[t][k];
+        float* __restrict yt = y + t * ys + j * d;
+#pragma omp simd
+        for (int64_t q = 0; q < d; ++q) yt[q] += sv * b[q];
+      }
+    }
+}
+
 // y[t0:t0+nt, :out] += scale * (x[t0:t0+nt] @ A^T) @ B^T for one adapter.
 void apply_block(float* __restrict y, int64_t y_stride, const float* __restrict x, int64_t x_stride, int nt,
                  const Pages& pg, int64_t a_elem, int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d,
                  float scale) {
   alignas(64) float s[TB][MAX_RANK];
-  // B^T's pool rows, found once for the block; asked for now, so that their reads from memory overlap
-  // the shrink's (a decode token's adapter is read once, and one stream of A^T at a time left the
-  // memory bus idle for part of the step).
   const std::vector<const float*> rows = b_rows(pg, b_elem, rank * out / d, d);
-  for (const float* r : rows)
-    for (int64_t off = 0; off < d; off += 64 / sizeof(float)) __builtin_prefetch(r + off, 0, 2);
+  if constexpr (VEC == 16) {
+    // B^T's pool rows are asked for now, so that their reads from memory overlap the shrink's (a
+    // decode token's adapter is read once, and one stream of A^T at a time left the memory bus idle
+    // for part of the step). On the AVX2 dev CPU (AMD EPYC) the same prefetches only slowed the
+    // step: the expand below reads B^T front to back there instead.
+    for (const float* r : rows)
+      for (int64_t off = 0; off < d; off += 64 / sizeof(float)) __builtin_prefetch(r + off, 0, 2);
+  }
   switch (rank) {
     case 8: shrink_block<8>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
     case 16: shrink_block<16>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
     case 32: shrink_block<32>(s, x, x_stride, nt, pg, a_elem, rank, in, scale); break;
     default: shrink<0, 0>(s, x, x_stride, nt, pg, a_elem, rank, in, scale);
+  }
+  if constexpr (VEC != 16) {
+    expand_rows(y, y_stride, s, nt, rows.data(), rank, out, d);
+    return;
   }
   // EXPAND_NT tokens x W columns of accumulators: half the vector registers (8 tokens would spill).
   int t0 = 0;
