@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -25,8 +25,9 @@ class Ceilings:
     dtype: str  # of the matmul measured (the model's dtype)
     read_gbps: float
     copy_gbps: float  # bytes read + bytes written
-    matmul_gflops: float
+    matmul_gflops: float  # the best of matmul_by_backend on the CPU (roofline.py: one library is not a ceiling)
     threads: int
+    matmul_by_backend: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +51,8 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, mib: int = 512, r
         if dtype != torch.float32:
             raise ValueError("the CPU roofline measures float32 matmuls; run the CPU benchmark in float32")
         r = measure_roofline(mib=mib, n=n, reps=reps)
-        return Ceilings("cpu", "float32", r.read_gbps, r.copy_gbps, r.matmul_gflops_fp32, r.threads)
+        return Ceilings("cpu", "float32", r.read_gbps, r.copy_gbps, r.matmul_gflops_fp32, r.threads,
+                        r.matmul_by_backend)
     x = torch.ones(4 * mib * (1 << 20) // 4, device=device)  # 4x larger than the CPU's: caches are larger
     y = torch.empty_like(x)
     read = x.numel() * 4 / _best_cuda(lambda: x.sum(), reps) / 1e9

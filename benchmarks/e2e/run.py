@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"\nroofline: read {ceilings.read_gbps:.1f} GB/s, copy {ceilings.copy_gbps:.1f} GB/s, matmul "
-          f"{ceilings.matmul_gflops:.0f} GFLOP/s ({ceilings.dtype}, {ceilings.threads} threads); "
+          f"{ceilings.matmul_gflops:.0f} GFLOP/s ({ceilings.dtype}, {ceilings.threads} threads; by backend: "
+          f"{', '.join(f'{k} {v:.0f}' for k, v in ceilings.matmul_by_backend.items()) or '-'}); "
           f"{result['elapsed_s']} s in all; wrote {out}")
     return result
 

@@ -16,6 +16,7 @@ from e2e.ceiling import decode_flops_per_token, linear_params, request_matmul_fl
 from e2e.online import at_rate  # noqa: E402
 from e2e.workload import BenchRequest, adapter_elements, write_random_adapter  # noqa: E402
 from factories import make_tiny_model  # noqa: E402
+from loraplex.kernels import cpu_linear  # noqa: E402
 from loraplex.lora.peft_loader import load_peft_adapter  # noqa: E402
 from loraplex.models.config import load_model_config  # noqa: E402
 
@@ -90,6 +91,10 @@ def test_online_replays_arrivals_and_reports_slo(result):
 def test_decode_share_and_roofline(result):
     c = result["ceilings"]
     assert c["read_gbps"] > 0 and c["matmul_gflops"] > 0
+    # The ceiling is the best GEMM here, not MKL's alone (roofline.py); the engine's packed kernel is one.
+    rates = c["matmul_by_backend"]
+    assert "mm" in rates and c["matmul_gflops"] == max(rates.values())
+    assert "packed" in rates or not cpu_linear.available()
     base, lora = result["decode"]
     assert base["adapters"] == "none" and "distinct" in lora["adapters"]
     for d in (base, lora):
