@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from loraplex.lora.peft_loader import load_peft_adapter
 from loraplex.lora.types import LoraAdapter
 from loraplex.models.config import ModelConfig
 from loraplex.unified_pager import RowLayout, pack_adapter
@@ -38,16 +36,6 @@ class LoadTimings:
     @property
     def total_s(self) -> float:
         return self.fetch_s + self.verify_s + self.decode_s + self.pack_s
-
-
-def load_packed_folder(name: str, folder: str | Path, model: ModelConfig, max_lora_rank: int, layout: RowLayout,
-                       pin_memory: bool = False) -> LoraAdapter:
-    """A PEFT adapter folder read, validated and packed for `layout`, with every check of
-    load_peft_adapter; the NaN/Inf check of the weights rides on the packing copy instead of a
-    scan of its own (6 of 38 ms of a rank-16 default-model load on the AMD dev CPU, measured by
-    benchmarks/adapter_folder_load.py)."""
-    adapter = load_peft_adapter(name, folder, model, max_lora_rank, layout.dtype, check_finite=False)
-    return pack_adapter(adapter, layout, pin_memory=pin_memory, check_finite=True)
 
 
 def display_name(ref: AdapterPublic) -> str:

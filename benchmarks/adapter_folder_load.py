@@ -3,7 +3,7 @@
 The path of every host-cache miss of an adapter kept as a folder (the e2e scaling benchmark's store):
 read the safetensors file, check it against the model, pack it into the pool's row layout.
 "load_then_pack" is load_peft_adapter (its own NaN/Inf pass over the weights) followed by pack_adapter;
-"packed" is adapter_store.load_packed_folder, whose NaN/Inf check rides on the packing copy. Both
+"packed" is unified_pager.load_packed_folder, whose NaN/Inf check rides on the packing copy. Both
 run in one process, alternating adapter by adapter (and which goes first, round by round), so that a
 CPU whose speed drifts affects both alike; the packed rows of the two are checked equal first.
 The first round is a warm-up (file pages, allocator, kernel build) and is not counted.
@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-from loraplex.adapter_store.loader import load_packed_folder
 from loraplex.config import default_cache_dir
 from loraplex.lora.peft_loader import load_peft_adapter
 from loraplex.models.config import load_model_config
 from loraplex.models.default_model import resolve_model_path
-from loraplex.unified_pager import RowLayout, pack_adapter
+from loraplex.unified_pager import RowLayout, load_packed_folder, pack_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e.workload import ensure_adapters  # noqa: E402

@@ -6,7 +6,7 @@ AdapterResidency index tensors and block tables. Geometry and invariants: docs/P
 
 from .adapter_pages import AdapterResidency, ModuleSlot
 from .geometry import PoolGeometry, RowLayout, row_width_for
-from .packed_rows import PackedRows, pack_adapter
+from .packed_rows import PackedRows, load_packed_folder, pack_adapter
 from .pager import PoolStats, UnifiedPager
 from .pool import PagePool
 
@@ -19,6 +19,7 @@ __all__ = [
     "PoolStats",
     "RowLayout",
     "UnifiedPager",
+    "load_packed_folder",
     "pack_adapter",
     "row_width_for",
 ]

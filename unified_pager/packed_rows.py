@@ -16,12 +16,15 @@ with another layout ignores the packed rows and packs the modules itself, as for
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from loraplex.errors import AdapterError
 from loraplex.lora.peft_config import llama_module_name
+from loraplex.lora.peft_loader import load_peft_adapter
 from loraplex.lora.types import MODULE_INDEX, LoraAdapter, LoraModuleWeights
+from loraplex.models.config import ModelConfig
 
 from .adapter_rows import RowAssignment, assign_rows, write_rows
 from .geometry import RowLayout
@@ -79,3 +82,13 @@ def pack_adapter(adapter: LoraAdapter, layout: RowLayout, pin_memory: bool = Fal
     ordered = tuple(views[(m.layer, MODULE_INDEX[m.module])] for m in asg.modules)
     packed = PackedRows(layout, rows, modules, asg._replace(modules=ordered))
     return replace(adapter, modules=modules, packed=packed)
+
+
+def load_packed_folder(name: str, folder: str | Path, model: ModelConfig, max_lora_rank: int, layout: RowLayout,
+                       pin_memory: bool = False) -> LoraAdapter:
+    """A PEFT adapter folder read, validated and packed for `layout`, with every check of
+    load_peft_adapter; the NaN/Inf check of the weights rides on the packing copy instead of a
+    scan of its own (6 of 38 ms of a rank-16 default-model load on the AMD dev CPU, measured by
+    benchmarks/adapter_folder_load.py)."""
+    adapter = load_peft_adapter(name, folder, model, max_lora_rank, layout.dtype, check_finite=False)
+    return pack_adapter(adapter, layout, pin_memory=pin_memory, check_finite=True)

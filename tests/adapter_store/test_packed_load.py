@@ -10,10 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from adapter_files import write_peft_adapter
 from engine_setup import tiny_llm
-from loraplex.adapter_store.loader import load_packed_folder
 from loraplex.errors import AdapterError
 from loraplex.lora.peft_loader import WEIGHTS_FILE, load_peft_adapter
-from loraplex.unified_pager import RowLayout, UnifiedPager, pack_adapter
+from loraplex.unified_pager import RowLayout, UnifiedPager, load_packed_folder, pack_adapter
 from loraplex.unified_pager.adapter_pages import plan_adapter
 from store_helpers import assert_same_adapter, new_tenant
 
@@ -70,3 +69,15 @@ def test_a_folder_loaded_packed_refuses_non_finite_weights(tiny_config, tmp_path
     save_file({**weights, key: weights[key] * 1e6}, folder / WEIGHTS_FILE)
     with pytest.raises(AdapterError, match="too large for torch.float16"):
         load_packed_folder("a", folder, tiny_config, 16, RowLayout.for_model(tiny_config, torch.float16))
+
+
+def test_the_engine_packs_a_folder_as_it_loads_it(tiny_config, tiny_model_dir, tmp_path):
+    """EngineCore.load_adapter packs at load time, so that the first step using the adapter places it with
+    page copies of these rows instead of packing it then; the weights are the folder's."""
+    folder = write_peft_adapter(tmp_path / "a", tiny_config, r=8, targets=ALL)
+    engine = tiny_llm(tiny_model_dir).engine
+    key = engine.load_adapter("a", folder)
+    adapter = engine.adapters.host(key)
+    assert adapter.packed is not None and adapter.packed.layout == engine.pager.geometry.row_layout
+    assert plan_adapter(engine.pager.geometry, adapter).packed_rows is adapter.packed.rows
+    assert_same_adapter(adapter, load_peft_adapter("a", folder, tiny_config, 16))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from factories import edit_adapter_config, make_peft_adapter, make_tiny_model
 from loraplex.engine import LLM, SamplingParams
@@ -148,6 +148,16 @@ def _without(filename: str):
     return build
 
 
+def _nan_weight(model_dir: Path, out: Path) -> Path:
+    """A NaN in one lora_B: the engine packs adapters as it loads them, and the check rides on the packing."""
+    a = make_peft_adapter(model_dir, out, r=4)
+    tensors = load_file(a / WEIGHTS)
+    key = sorted(k for k in tensors if "lora_B" in k)[len(tensors) // 4]
+    tensors[key][-1, -1] = float("nan")
+    save_file(tensors, a / WEIGHTS)
+    return a
+
+
 # name -> (builder(model_dir, out_dir), fragments the message must contain)
 BAD_ADAPTERS = {
     "dora": (lambda m, o: make_peft_adapter(m, o, r=4, use_dora=True), ["DoRA", "use_dora"]),
@@ -171,6 +181,7 @@ BAD_ADAPTERS = {
     "pickle_named_safetensors": (lambda m, o: _pickle_weights(make_peft_adapter(m, o, r=4), WEIGHTS),
                                  ["zip archive", "never unpickled"]),
     "not_a_folder": (lambda m, o: o / "does-not-exist", ["does not exist"]),
+    "nan_weights": (_nan_weight, ["lora_B", "NaN or Inf"]),
     "config_hides_dora": (
         lambda m, o: _edited(make_peft_adapter(m, o, r=4, use_dora=True), use_dora=False),
         ["lora_magnitude_vector", "DoRA"],
