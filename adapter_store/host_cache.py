@@ -5,6 +5,8 @@
   call tries again) and its error reaches every waiter.
 - An adapter larger than the whole budget is returned but not kept.
 - Eviction listeners hear every key that leaves (the engine bridge uses this to drop engine copies).
+- Prefetch threads run their torch work on one thread each (kernels.cpu_threads: a team of their own
+  would slow every step of a CPU engine beside them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loraplex.errors import ConfigError
+from loraplex.kernels.cpu_threads import confine_to_one_thread
 from loraplex.lora.types import LoraAdapter
 
 from .errors import StoreError
@@ -52,7 +55,8 @@ class HostCache:
         self._inflight: dict[str, Future[LoraAdapter]] = {}
         self._bytes = 0
         self._listeners: list[Callable[[str], None]] = []
-        self._pool = ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="adapter-prefetch")
+        self._pool = ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="adapter-prefetch",
+                                        initializer=confine_to_one_thread)
         self._c = dict(hits=0, misses=0, joined=0, loads=0, load_failures=0, evictions=0, oversize=0)
         self._load_seconds = 0.0
         self.last_timings: LoadTimings | None = None

@@ -15,6 +15,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -147,9 +148,21 @@ int64_t transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch
   return -1;
 }
 
+// The OpenMP regions the calling thread starts from now on (torch's intra-op work, these kernels') run on
+// it alone; torch's process-wide default and every other thread's team stay as they are
+// (torch.set_num_threads would change the default that each thread adopts at its first parallel op, the
+// engine's thread included). See kernels/cpu_threads.py for why threads beside the engine need this.
+void confine_to_one_thread() {
+  // torch sets a thread's team size lazily, at its first parallel op: done now, or it would undo this.
+  at::internal::lazy_init_num_threads();
+  omp_set_num_threads(1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("transpose_into", &transpose_into,
         "write each source transposed into a flat output, at its offset; the first source with a NaN or Inf",
         py::arg("srcs"), py::arg("out"), py::arg("offsets"), py::arg("nonfinite_mask") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("confine_to_one_thread", &confine_to_one_thread,
+        "OpenMP regions started by the calling thread run on it alone (others' teams unchanged)");
 }

@@ -5,10 +5,8 @@ lengths are identical (the trace generator draws them before the adapter picks);
 request names changes (power-law popularity). Adapters reach the engine the way the server feeds them:
 adapter folder -> host cache (byte-budgeted LRU, adapter_store.HostCache) -> EngineAdapterBridge -> engine
 -> page pool (evicting idle adapters, LRU). The host-cache budget and the pool size are stated in the
-result so that "more adapters than fit" shows. As in the server (api/serving.py), a request's adapter fetch
-starts when it arrives, on the host cache's prefetch thread, and the request enters the engine once its
-adapter is decoded, while the engine steps the requests it has: loads overlap steps, but they share the
-CPU with them, so their cost is still inside the measured time.
+result so that "more adapters than fit" shows; adapter loads run on the engine thread as each request is
+added (the server overlaps them with queueing instead), so their cost is inside the measured time.
 
 With repeats > 1 the sweep runs again in mirrored order (1, 10, 100, 1000, 1000, 100, 10, 1, ...): a
 CPU whose speed drifts over minutes (the AMD dev machine's matmul rate moved between 40 and 60 GFLOP/s)
@@ -27,7 +25,6 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -92,20 +89,6 @@ class FolderStore:
         return self.cache.prefetch(ref)
 
 
-class BridgeFeed:
-    """The requests' adapters fed as the server feeds them (systems.AdapterFeed): the fetch through the
-    bridge's host cache, then the install on the engine thread."""
-
-    def __init__(self, store: FolderStore, bridge: EngineAdapterBridge):
-        self.store, self.bridge = store, bridge
-
-    def prefetch(self, name: str) -> Future[LoraAdapter]:
-        return self.bridge.prefetch(self.store.refs[name])
-
-    def install(self, name: str, decoded: LoraAdapter) -> str:
-        return self.bridge.install(self.store.refs[name], decoded)
-
-
 @dataclass(frozen=True)
 class ScalingPoint:
     adapters: int  # distinct adapters in the trace's popularity law
@@ -140,7 +123,7 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
     engine = EngineCore(engine_config)  # fresh: nothing resident from another N
     store = FolderStore(engine, folders, host_cache_bytes)
     bridge = EngineAdapterBridge(engine, store)
-    system = LoraplexSystem("loraplex", engine, True, BridgeFeed(store, bridge))
+    system = LoraplexSystem("loraplex", engine, True, lambda name: bridge.prepare(store.refs[name]))
     system.warmup()
     run = system.serve(requests)
     m = summarize(run)

@@ -17,8 +17,7 @@ seconds since the run started; a request's TTFT is its first token time less its
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,26 +61,17 @@ def _sleep_until(t0: float, at_s: float) -> None:
 
 # -- loraplex -----------------------------------------------------------------------------------------
 
-class AdapterFeed(Protocol):
-    """How requests' adapters reach the engine when they are not loaded up front: as the server feeds them
-    (api/serving.py), a fetch started when the request arrives (any thread) and, once it is done, an
-    install on the engine thread that names the engine's copy."""
-
-    def prefetch(self, name: str) -> Future: ...
-
-    def install(self, name: str, decoded) -> str: ...
-
-
 class LoraplexSystem:
     """The engine driven as the async engine's thread drives it: add what has arrived, then one step."""
 
-    def __init__(self, name: str, engine: EngineCore, use_adapters: bool = True, feed: AdapterFeed | None = None):
+    def __init__(self, name: str, engine: EngineCore, use_adapters: bool = True,
+                 prepare_adapter: Callable[[str], str] | None = None):
         self.name = name
         self.engine = engine
         self.use_adapters = use_adapters
-        # None: adapters are already loaded under their names. Else a request waits, outside the engine, for
-        # its adapter's fetch (the scaling run's host cache) while the engine steps the requests it has.
-        self.feed = feed
+        # Maps a request's adapter name to the engine's name, doing whatever loading that takes (the
+        # scaling run passes the host-cache bridge here); None: adapters are already loaded under their names.
+        self.prepare_adapter = prepare_adapter
 
     def warmup(self) -> None:
         vocab = self.engine.model_config.vocab_size
@@ -97,38 +87,21 @@ class LoraplexSystem:
         recs = {r.id: RequestRecord(r.id, r.arrival_s, r.output_tokens) for r in requests}
         adapter_of: dict[str, str | None] = {}
         steps_adapters: list[tuple[str, ...]] = []  # distinct adapters that produced tokens, per step
-        fetching: list[tuple[BenchRequest, Future]] = []  # arrived, adapter not decoded yet (arrival order)
-
-        def add(r: BenchRequest, adapter: str | None) -> None:
-            adapter_of[r.id] = adapter
-            eng.add_request(list(r.prompt), SamplingParams(max_tokens=r.output_tokens, temperature=0.0,
-                                                           ignore_eos=True), adapter=adapter, request_id=r.id)
-
         i = 0
         t0 = time.perf_counter()
-        while i < len(pending) or fetching or eng.has_unfinished():
+        while i < len(pending) or eng.has_unfinished():
             now = time.perf_counter() - t0
             while i < len(pending) and pending[i].arrival_s <= now:
                 r = pending[i]
                 i += 1
                 adapter = r.adapter if self.use_adapters else None
-                if adapter is not None and self.feed is not None:
-                    fetching.append((r, self.feed.prefetch(adapter)))
-                else:
-                    add(r, adapter)
-            waiting = []
-            for r, fut in fetching:
-                if fut.done():
-                    add(r, self.feed.install(r.adapter, fut.result()))
-                else:
-                    waiting.append((r, fut))
-            fetching = waiting
+                if adapter is not None and self.prepare_adapter is not None:
+                    adapter = self.prepare_adapter(adapter)
+                adapter_of[r.id] = adapter
+                eng.add_request(list(r.prompt), SamplingParams(max_tokens=r.output_tokens, temperature=0.0,
+                                                               ignore_eos=True), adapter=adapter, request_id=r.id)
             if not eng.has_unfinished():
-                next_arrival = pending[i].arrival_s - (time.perf_counter() - t0) if i < len(pending) else None
-                if fetching:  # nothing to step: wait for a fetch (or the next arrival, if sooner)
-                    wait([f for _, f in fetching], timeout=next_arrival, return_when=FIRST_COMPLETED)
-                elif next_arrival is not None:
-                    _sleep_until(t0, pending[i].arrival_s)
+                _sleep_until(t0, pending[i].arrival_s)
                 continue
             outs = eng.step()
             now = time.perf_counter() - t0

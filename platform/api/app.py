@@ -81,7 +81,6 @@ def open_state(config: ServerConfig) -> ServerState:
 def load_model(state: ServerState) -> None:
     """Build the engine and the adapter store (runs on a background thread at start-up)."""
     from loraplex.engine.async_engine import AsyncEngine
-    from loraplex.engine.engine_core import EngineCore
 
     config = state.config
     try:
@@ -90,17 +89,23 @@ def load_model(state: ServerState) -> None:
             import torch
 
             torch.set_num_threads(config.resolved_torch_threads())
-        core = EngineCore(config.engine)
-        store = AdapterStore(config.store, core.model_config, state.registry,
-                             BlobStore(open_object_store(config.store)))
-        bridge = EngineAdapterBridge(core, store)
+        # Built on the engine's own thread, which steps it (AsyncEngine: one OpenMP team on the CPU).
+        engine = AsyncEngine(config.engine)
+        core = engine.engine
+        try:
+            store = AdapterStore(config.store, core.model_config, state.registry,
+                                 BlobStore(open_object_store(config.store)))
+            bridge = EngineAdapterBridge(core, store)
+        except BaseException:
+            engine.shutdown()
+            raise
         core.slo = state.slo = SloController(config.engine.max_num_batched_tokens, config.engine.max_num_seqs)
         name = config.served_model_name or (DEFAULT_MODEL_NAME if config.engine.model == "default"
                                             else Path(config.engine.model).name)
         state.model = ModelInfo(name=name, max_model_len=core.max_model_len, tokenizer=core.tokenizer,
                                 created=int(time.time()))
         state.store, state.bridge = store, bridge
-        state.engine = AsyncEngine(engine=core)  # last: its presence makes the server ready
+        state.engine = engine  # last: its presence makes the server ready
         log.info("model %s loaded in %.1f s", name, time.perf_counter() - t0)
     except BaseException as e:
         log.exception("cannot load the model")

@@ -72,21 +72,32 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: EngineCore | None = None):
-        self.engine = engine if engine is not None else EngineCore(config or EngineConfig())
+        """From a config, the EngineCore is built on the step loop's own thread, which then runs every step:
+        on the CPU an engine stepped on another thread than the one that built it ran ~1.6x slower per
+        decode step (two OpenMP teams; kernels/cpu_threads.py). An engine passed in, already built, runs
+        on the loop's thread as it is. Raises what building the engine raised."""
+        self.engine: EngineCore = engine  # type: ignore[assignment]  (set by the loop's thread when None)
+        self._config = config or EngineConfig()
+        self.built_on: int | None = None  # the thread ident that built the engine, when this did
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._built = threading.Event()
         # Set (under the lock) once the step loop has ended: commands sent later are answered at once
         # instead of waiting forever in a queue that nobody reads.
         self._lock = threading.Lock()
         self._closed = False
         self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
+        self._thread.start()
+        self._built.wait()
+        if self.engine is None:
+            self._thread.join()
+            raise self.error  # type: ignore[misc]  (the build's error)
         # A snapshot taken by the engine thread after every step: readers on other threads (metrics,
         # readiness, admission) must not walk the scheduler's lists while the step changes them.
         self.stats: EngineStats = self.engine.stats()
-        self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
-        self._thread.start()
 
     # -- caller side (event loop) --------------------------------------------------------------
     async def generate(
@@ -180,6 +191,15 @@ class AsyncEngine:
                     sink.put(out)
 
     def _loop(self) -> None:
+        try:
+            if self.engine is None:
+                self.engine = EngineCore(self._config)
+                self.built_on = threading.get_ident()
+        except BaseException as e:
+            self.error = e
+            self._built.set()
+            return
+        self._built.set()
         try:
             while not self._stop.is_set():
                 # Clear before reading commands: a command sent after this point wakes the wait.

@@ -7,6 +7,7 @@ import threading
 from collections import OrderedDict
 
 import pytest
+import torch
 
 from adapter_files import write_peft_adapter
 from loraplex.adapter_store import AdapterUnavailableError, HostCache
@@ -166,3 +167,25 @@ def test_pinned_memory_is_refused_without_cuda(make_store, tiny_config, tmp_path
         return
     with pytest.raises(Exception, match="pin_memory=True needs a CUDA device"):
         make_store(pin_memory=True)
+
+
+def test_prefetch_threads_run_their_torch_work_alone(store, tiny_config, tmp_path):
+    """Prefetch loads take one thread (kernels/cpu_threads.py: a team of their own would slow every step
+    of a CPU engine beside them); the caller's team size is not touched."""
+    (ref,) = upload_many(store, tiny_config, tmp_path, 1)
+    seen = []
+
+    def observed_load(r):
+        seen.append(torch.get_num_threads())
+        return store.loader.load(r)
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cache = HostCache(1 << 30, observed_load)
+        adapter = cache.prefetch(ref).result(timeout=30)
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert adapter.nbytes == store.get(ref).nbytes
+        cache.close()
+    finally:
+        torch.set_num_threads(n)

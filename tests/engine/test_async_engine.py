@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from factories import make_peft_adapter, make_tiny_model
 from loraplex.config import EngineConfig
 from loraplex.engine import LLM, AsyncEngine, EngineCore, EngineDeadError, SamplingParams
 from loraplex.engine.request import RequestOutput
-from loraplex.errors import AdapterNotFoundError, RequestError
+from loraplex.errors import AdapterNotFoundError, ModelLoadError, RequestError
 
 VOCAB = 257
 CONTEXT = 512
@@ -64,6 +65,7 @@ def engine(dirs):
     for name, d in adapters.items():
         core.load_adapter(name, d)
     ae = AsyncEngine(engine=core)
+    assert ae.built_on is None  # built by the caller
     yield ae
     ae.shutdown()
     assert not ae._thread.is_alive()
@@ -303,3 +305,26 @@ def test_shutdown_ends_open_streams(engine):
     core = engine.engine
     assert not engine.alive and not core.requests and core.stats().kv_pages == 0
     core.pager.check_integrity()
+
+
+# --- built on its own thread ---------------------------------------------------------------------------------------
+
+
+def test_built_from_a_config_on_the_loop_thread(dirs, reference):
+    """From a config, the engine is built by the thread that steps it (one OpenMP team on the CPU,
+    kernels/cpu_threads.py); it serves as any other, and the model's first load happened there."""
+    model_dir, _ = dirs
+    ae = AsyncEngine(EngineConfig(model=str(model_dir), kernels="torch", max_lora_rank=64, pool_bytes=16 << 20))
+    try:
+        assert ae.built_on == ae._thread.ident != threading.get_ident()
+        prompt = [5, 6, 7, 8]
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        final = check_stream(asyncio.run(collect(ae, prompt, params)))
+        assert final.token_ids == reference.generate([prompt], params)[0].token_ids
+    finally:
+        ae.shutdown()
+
+
+def test_a_config_that_cannot_build_raises_in_the_caller(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        AsyncEngine(EngineConfig(model=str(tmp_path), kernels="torch"))
