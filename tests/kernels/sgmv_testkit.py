@@ -171,8 +171,9 @@ class SgmvSpec:
 
 @st.composite
 def sgmv_specs(draw, d_choices=(8, 16, 24), max_rank: int = 128, max_requests: int = 8, max_len: int = 24,
-               rank_step: int = 1) -> SgmvSpec:
-    """rank_step: ranks are multiples of it (the C++ kernel's blocked path takes multiples of 8)."""
+               rank_step: int = 1, rank_choices: tuple[int, ...] | None = None) -> SgmvSpec:
+    """rank_step: ranks are multiples of it (the C++ kernel's blocked path takes multiples of 8);
+    rank_choices: ranks drawn from these instead."""
     d = draw(st.sampled_from(d_choices))
     num_adapters = draw(st.integers(1, 6))
     mode = draw(st.sampled_from(["decode", "prefill", "mixed"]))
@@ -190,7 +191,8 @@ def sgmv_specs(draw, d_choices=(8, 16, 24), max_rank: int = 128, max_requests: i
         out_features=d * draw(st.sampled_from([1, 3, 5, 7, 9])),
         layer=draw(st.integers(0, 1)),
         module=draw(st.integers(0, len(TARGET_MODULES) - 1)),
-        ranks=tuple(draw(st.lists(st.integers(1, max_rank // rank_step).map(lambda r: r * rank_step),
+        ranks=tuple(draw(st.lists(st.sampled_from(rank_choices) if rank_choices else
+                                  st.integers(1, max_rank // rank_step).map(lambda r: r * rank_step),
                                   min_size=num_adapters, max_size=num_adapters))),
         present=tuple(draw(st.lists(st.booleans(), min_size=num_adapters, max_size=num_adapters))),
         req_lens=tuple(lens),

@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from kernel_testkit import rel_err
 from loraplex.kernels import cpu_sgmv
+from loraplex.kernels.cpu_build import load_extension
 from native_kernels import require_built
 from sgmv_testkit import build_sgmv_case, sgmv_specs, touched_tokens
 
@@ -63,6 +64,22 @@ def test_cpu_sgmv_blocked_long_segments(spec):
     # LONG_SEGMENT take the register-blocked path (token blocks of every size up to 12, the rank in
     # chunks of 2, 1 vectors and 8 floats, column chunks of 2 vectors and of 1 where D ends).
     _check(spec, column_slice=True)
+
+
+@FAST
+@given(spec=sgmv_specs(d_choices=(16, 32, 48, 64), max_requests=24, max_len=6, rank_choices=(8, 16, 32, 64, 12)))
+def test_cpu_sgmv_decode_items(spec):
+    # Segments of a few tokens (a decode batch grouped by adapter) at the ranks the decode kernels take,
+    # beside one they do not (12): items of up to 4 tokens, A^T rows that cross pages (pages of 2 rows of
+    # D = 16 hold 32 floats, a rank-64 row spans three), every column-vector count of the expand.
+    _check(spec, column_slice=True)
+
+
+def test_decode_kernels_take_the_items_they_can():
+    ext = load_extension("cpu_sgmv")
+    assert all(ext.few_ok(nt, r, 64) for nt in (1, 2) for r in (8, 16, 32)) and ext.few_ok(1, 64, 64)
+    assert not ext.few_ok(5, 16, 64) and not ext.few_ok(0, 16, 64) and not ext.few_ok(2, 12, 64)
+    assert not ext.few_ok(1, 16, 12)  # D not a multiple of the vector width
 
 
 def test_blocked_path_takes_the_long_segments_it_can():
