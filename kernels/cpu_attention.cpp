@@ -450,32 +450,47 @@ bool run_item_lanes(const Problem& pb, int64_t w, int64_t g, Scratch& sc) {
 
 template <int NV>
 bool run_all(const Problem& pb, int64_t num_tiles) {
-  const int64_t items = num_tiles * pb.kvh;
+  // Work units: (tile, kv head) for tiles that run in lanes (prefill); (tile, every kv head in turn) for
+  // tiles that run by rows (decode). A decode tile's kv heads read neighbouring columns of the same
+  // pool pages (a page holds a block's K rows of all heads, then its V rows): on one thread, back to
+  // back, the lines one head's reads bring in with its neighbours' are still in that core's L2.
+  struct Unit { int64_t tile, head; };  // head -1: every kv head
+  std::vector<Unit> units;
+  units.reserve(num_tiles * pb.kvh);
+  for (int64_t w = 0; w < num_tiles; ++w) {
+    if (pb.tiles[4 * w + 2] * pb.group >= LANE_ROWS)
+      for (int64_t g = 0; g < pb.kvh; ++g) units.push_back({w, g});
+    else
+      units.push_back({w, -1});
+  }
+  const int64_t items = static_cast<int64_t>(units.size());
   std::atomic<int64_t> next{0};
   std::atomic<bool> ok{true};
-  // Items differ in cost (sequence lengths, causal tiles): threads take them one at a time from
-  // a shared counter instead of parallel_for's fixed contiguous ranges. Consecutive items are the
-  // kv heads of one tile, which read neighbouring columns of the same pool rows.
+  // Units differ in cost (sequence lengths, causal tiles): threads take them one at a time from a
+  // shared counter instead of parallel_for's fixed contiguous ranges.
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  // A thread claims its next item before computing the current one and prefetches that item's
-  // first keys: within an item each chunk is prefetched during the one before, but the first
-  // would otherwise wait a full memory latency (an eighth of a 128-token decode).
+  // A thread claims its next unit before computing the current one and prefetches that unit's first
+  // keys: within an item each chunk is prefetched during the one before, but the first would
+  // otherwise wait a full memory latency (an eighth of a 128-token decode).
   at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
     Scratch sc;
     int64_t it = next.fetch_add(1, std::memory_order_relaxed);
     while (it < items) {
       const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
       if (after < items) {
-        const int32_t* tile = pb.tiles + 4 * (after / pb.kvh);
+        const int32_t* tile = pb.tiles + 4 * units[after].tile;
         const int64_t seq = tile[0], nkeys = (int64_t)tile[3] + tile[2] - 1;
         const float* ignored[2][VL];
         if (seq >= 0 && seq < pb.num_seqs && nkeys <= pb.max_blocks * pb.bs)  // else the kernel reports it
-          locate(pb, seq, after % pb.kvh, 0, nkeys, ignored[0], ignored[1]);
+          locate(pb, seq, std::max<int64_t>(0, units[after].head), 0, nkeys, ignored[0], ignored[1]);
       }
-      const int64_t w = it / pb.kvh, g = it % pb.kvh;
-      const bool lanes = pb.tiles[4 * w + 2] * pb.group >= LANE_ROWS;
-      if (!(lanes ? run_item_lanes<NV>(pb, w, g, sc) : run_item<NV>(pb, w, g, sc)))
-        ok.store(false, std::memory_order_relaxed);
+      const Unit u = units[it];
+      if (u.head >= 0) {
+        if (!run_item_lanes<NV>(pb, u.tile, u.head, sc)) ok.store(false, std::memory_order_relaxed);
+      } else {
+        for (int64_t g = 0; g < pb.kvh; ++g)
+          if (!run_item<NV>(pb, u.tile, g, sc)) ok.store(false, std::memory_order_relaxed);
+      }
       it = after;
     }
   });
