@@ -77,8 +77,9 @@ PRESETS = {
     # scaling: 2 sweeps of 32 requests (one of 64 before): the same time, and a drifting CPU speed cancels out
     # decode_steps 8 (3 before): the fastest of 3 steps read 127 ms on a shared AMD EPYC where the same step
     # measured 74 ms minutes earlier; each step costs ~0.1 s more
+    # scaling_repeats 4 (2 before; scaling.py takes the median): one disturbed run in a pair moved a point by 20%
     "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.7, 2.0, (1, 10, 100, 1000), 32, 160, 2048, 1024, 64, 8, True,
-                    scaling_repeats=2),
+                    scaling_repeats=4),
     "full": Preset(192, 128, 1024, 64, 256, 100, 32, 0.5, 2.0, (1, 10, 100, 1000), 512, 320, 3072, 1024, 64, 6,
                    True, 32, 32),
 }

@@ -11,7 +11,9 @@ added (the server overlaps them with queueing instead), so their cost is inside 
 With repeats > 1 the sweep runs again in mirrored order (1, 10, 100, 1000, 1000, 100, 10, 1, ...): a
 CPU whose speed drifts over minutes (the AMD dev machine's matmul rate moved between 40 and 60 GFLOP/s)
 then gives every N the same mean position in time, so a linear drift cancels out of the comparison.
-Each point reports the mean of its runs' walls (and every wall).
+Each point reports the median of its runs' walls (and every wall): on a shared machine one run in a few
+can be disturbed by a third or more (the AMD EPYC of the ninth session: 4.48 against 3.18 s for the same
+1-adapter run), and the median of four leaves it out where a mean of two took it in half.
 
 Floor-predicted time of run N = time of run 1 + (extra bytes) / read bandwidth + (extra LoRA FLOPs) /
 matmul rate, where the bytes are those of the distinct adapters each step reads, plus each host-cache load
@@ -22,6 +24,7 @@ expand at its adapter's rank. Loss = 1 - throughput_N / throughput_1, measured a
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 import uuid
 from collections.abc import Sequence
@@ -173,13 +176,13 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
             f"misses / {point.host_cache['evictions']} evictions, pool {point.pool_loads} loads / "
             f"{point.pool_evictions} evictions")
         runs[n].append(point)
-    return with_predictions([_mean_point(runs[n]) for n in counts], ceilings)
+    return with_predictions([_median_point(runs[n]) for n in counts], ceilings)
 
 
-def _mean_point(runs: list[ScalingPoint]) -> ScalingPoint:
-    """One point from repeats of the same N (the same requests): mean wall and throughput, every wall kept;
+def _median_point(runs: list[ScalingPoint]) -> ScalingPoint:
+    """One point from repeats of the same N (the same requests): median wall and throughput, every wall kept;
     the cache and pool counts are the first run's (each run starts from an empty cache and pool)."""
-    wall = sum(r.wall_s for r in runs) / len(runs)
+    wall = statistics.median(r.wall_s for r in runs)
     first = runs[0]
     return dataclasses.replace(first, wall_s=wall, throughput_rps=first.throughput_rps * first.wall_s / wall,
                                throughput_tok_s=first.throughput_tok_s * first.wall_s / wall,

@@ -73,7 +73,7 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: EngineCore | None = None):
         """From a config, the EngineCore is built on the step loop's own thread, which then runs every step:
-        on the CPU an engine stepped on another thread than the one that built it ran ~1.6x slower per
+        on the CPU an engine stepped on another thread than the one that built it ran 1.4-1.7x slower per
         decode step (two OpenMP teams; kernels/cpu_threads.py). An engine passed in, already built, runs
         on the loop's thread as it is. Raises what building the engine raised."""
         self.engine: EngineCore = engine  # type: ignore[assignment]  (set by the loop's thread when None)
