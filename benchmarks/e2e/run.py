@@ -74,7 +74,7 @@ class Preset:
 PRESETS = {
     "tiny": Preset(8, 16, 48, 6, 12, 4, 4, 0.5, 2.0, (1, 4, 16), 8, 64, 512, 256, 8, 2, True, 8, 6, 2),
     # online_load 0.7: the online runs last as long as their arrivals (48 / rate), which keeps quick under 10 min
-    # scaling: 2 sweeps of 32 requests (one of 64 before): the same time, and a drifting CPU speed cancels out
+    # scaling: mirrored sweeps of 32 requests (one of 64 before): a drifting CPU speed cancels out
     # decode_steps 8 (3 before): the fastest of 3 steps read 127 ms on a shared AMD EPYC where the same step
     # measured 74 ms minutes earlier; each step costs ~0.1 s more
     # scaling_repeats 4 (2 before; scaling.py takes the median): one disturbed run in a pair moved a point by 20%
