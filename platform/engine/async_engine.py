@@ -197,9 +197,9 @@ class AsyncEngine:
                 self.built_on = threading.get_ident()
         except BaseException as e:
             self.error = e
-            self._built.set()
             return
-        self._built.set()
+        finally:
+            self._built.set()  # the constructor waits for this, built or not
         try:
             while not self._stop.is_set():
                 # Clear before reading commands: a command sent after this point wakes the wait.
