@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from loraplex.errors import AdapterError
 from loraplex.lora.peft_config import AdapterConfigInfo, llama_module_name
-from loraplex.lora.peft_loader import _build_modules, _parse_key
+from loraplex.lora.peft_loader import _build_modules, parse_weights_key
 from loraplex.lora.types import MODULE_INDEX, LoraModuleWeights
 from loraplex.models.config import ModelConfig
 
@@ -32,7 +32,7 @@ def assemble_modules(tensors: dict[str, torch.Tensor], info: AdapterConfigInfo, 
         return _build_modules(tensors, info, model, max_lora_rank, dtype)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        layer, module, half, _ = _parse_key(key)
+        layer, module, half, _ = parse_weights_key(key)
         if layer >= model.num_layers:
             raise AdapterError(f"weights key {key!r} is for layer {layer}, but the base model has "
                                f"{model.num_layers} layers")

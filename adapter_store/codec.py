@@ -39,18 +39,25 @@ def encode_adapter(config: dict, tensors: dict[str, torch.Tensor]) -> bytes:
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
-def read_header(data: bytes | bytearray) -> tuple[dict, int]:
-    """(safetensors header, offset of the data section)."""
+def header_bytes(data: bytes | bytearray) -> tuple[bytes, int]:
+    """(the safetensors header's bytes as stored, offset of the data section); unparsed (the loader's pack
+    plans are keyed by these bytes, see loader.py)."""
     if len(data) < 8:
         raise AdapterError("stored adapter blob is truncated")
     (n,) = struct.unpack("<Q", data[:8])
+    return bytes(data[8:8 + n]), 8 + n
+
+
+def read_header(data: bytes | bytearray) -> tuple[dict, int]:
+    """(safetensors header, offset of the data section)."""
+    raw, start = header_bytes(data)
     try:
-        header = json.loads(bytes(data[8:8 + n]))
+        header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise AdapterError(f"stored adapter blob has an unreadable header: {e}") from e
     if not isinstance(header, dict):
         raise AdapterError("stored adapter blob has an unreadable header")
-    return header, 8 + n
+    return header, start
 
 
 def read_metadata(data: bytes | bytearray) -> dict:

@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "adapter_store"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from adapter_files import write_peft_adapter  # noqa: E402  (the tests' fast PEFT-format writer)

@@ -99,15 +99,21 @@ bool any_nonfinite(const T* p, int64_t count, T mask) {
   return count > 0 && least == 0;
 }
 
+// One source matrix [m, n] with strides (s0, s1), in elements of the output's size.
+struct Src {
+  const void* p;
+  int64_t m, n, s0, s1;
+};
+
 template <typename T>
-int64_t run(const std::vector<torch::Tensor>& srcs, const int64_t* offsets, T* out, T mask) {
+int64_t run(const std::vector<Src>& srcs, const int64_t* offsets, T* out, T mask) {
   std::vector<uint8_t> bad(srcs.size(), 0);
   at::parallel_for(0, static_cast<int64_t>(srcs.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
-      const torch::Tensor& s = srcs[k];
+      const Src& s = srcs[k];
       T* dst = out + offsets[k];
-      transpose_one<T>(static_cast<const T*>(s.data_ptr()), s.size(0), s.size(1), s.stride(0), s.stride(1), dst);
-      if (mask != 0) bad[k] = any_nonfinite<T>(dst, s.numel(), mask);
+      transpose_one<T>(static_cast<const T*>(s.p), s.m, s.n, s.s0, s.s1, dst);
+      if (mask != 0) bad[k] = any_nonfinite<T>(dst, s.m * s.n, mask);
     }
   });
   for (size_t k = 0; k < bad.size(); ++k)
@@ -115,26 +121,7 @@ int64_t run(const std::vector<torch::Tensor>& srcs, const int64_t* offsets, T* o
   return -1;
 }
 
-}  // namespace
-
-// out: flat contiguous [N]; srcs: 2-D tensors of out's dtype on the CPU; offsets: [len(srcs)] int64,
-// the first element of each transposed matrix in out. Every write is checked to lie inside out.
-// nonfinite_mask: 0, or the dtype's exponent bits (float32: 0x7F800000): then the index of the first
-// source holding a NaN or an Inf is returned (everything is written regardless), else -1.
-int64_t transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch::Tensor offsets,
-                       int64_t nonfinite_mask) {
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 1 && out.device().is_cpu(), "out must be a flat contiguous CPU tensor");
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() &&
-                  offsets.numel() == static_cast<int64_t>(srcs.size()),
-              "offsets: one int64 per source");
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  for (size_t k = 0; k < srcs.size(); ++k) {
-    const torch::Tensor& s = srcs[k];
-    TORCH_CHECK(s.dim() == 2 && s.scalar_type() == out.scalar_type() && s.device().is_cpu(),
-                "source ", k, " must be a 2-D CPU tensor of the output's dtype");
-    TORCH_CHECK(off[k] >= 0 && off[k] + s.numel() <= out.numel(), "source ", k, " does not fit in out");
-  }
-  const uint64_t mask = static_cast<uint64_t>(nonfinite_mask);
+int64_t run_sized(const std::vector<Src>& srcs, const int64_t* off, torch::Tensor& out, uint64_t mask) {
   switch (out.element_size()) {
     case 2:
       TORCH_CHECK(mask <= 0xFFFF, "nonfinite_mask wider than the element");
@@ -146,6 +133,72 @@ int64_t transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch
     default: TORCH_CHECK(false, "element size ", out.element_size(), " is not supported");
   }
   return -1;
+}
+
+void check_flat_out(const torch::Tensor& out, const torch::Tensor& offsets, int64_t count) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 1 && out.device().is_cpu(), "out must be a flat contiguous CPU tensor");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == count,
+              "offsets: one int64 per source");
+}
+
+}  // namespace
+
+// out: flat contiguous [N]; srcs: 2-D tensors of out's dtype on the CPU; offsets: [len(srcs)] int64,
+// the first element of each transposed matrix in out. Every write is checked to lie inside out.
+// nonfinite_mask: 0, or the dtype's exponent bits (float32: 0x7F800000): then the index of the first
+// source holding a NaN or an Inf is returned (everything is written regardless), else -1.
+int64_t transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch::Tensor offsets,
+                       int64_t nonfinite_mask) {
+  check_flat_out(out, offsets, static_cast<int64_t>(srcs.size()));
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  std::vector<Src> views;
+  views.reserve(srcs.size());
+  for (size_t k = 0; k < srcs.size(); ++k) {
+    const torch::Tensor& s = srcs[k];
+    TORCH_CHECK(s.dim() == 2 && s.scalar_type() == out.scalar_type() && s.device().is_cpu(),
+                "source ", k, " must be a 2-D CPU tensor of the output's dtype");
+    TORCH_CHECK(off[k] >= 0 && off[k] + s.numel() <= out.numel(), "source ", k, " does not fit in out");
+    views.push_back({s.data_ptr(), s.size(0), s.size(1), s.stride(0), s.stride(1)});
+  }
+  return run_sized(views, off, out, static_cast<uint64_t>(nonfinite_mask));
+}
+
+// The same copy with every source a row-major matrix inside one byte buffer (a safetensors file read
+// whole, or a stored blob): the caller names each matrix by its byte offset from `base` and its shape
+// ([k, 0] rows, [k, 1] columns), instead of making a tensor view of each (420 views of a rank-16
+// SmolLM2 adapter cost more than the copy itself). Every matrix is checked to lie inside the buffer and
+// its destination inside out. Returns as transpose_into does, or -2 (nothing written) where a matrix
+// starts at an address that is not a multiple of the element size: the caller then takes its other path.
+int64_t transpose_from_buffer(py::buffer data, int64_t base, torch::Tensor byte_offsets, torch::Tensor shapes,
+                              torch::Tensor out, torch::Tensor offsets, int64_t nonfinite_mask) {
+  const py::buffer_info info = data.request();  // with the GIL: released below, for the copy only
+  TORCH_CHECK(info.ndim == 1 && info.itemsize == 1 && info.strides[0] == 1, "data must be a flat byte buffer");
+  const int64_t count = byte_offsets.numel();
+  check_flat_out(out, offsets, count);
+  TORCH_CHECK(byte_offsets.scalar_type() == at::kLong && byte_offsets.is_contiguous(), "byte_offsets: int64");
+  TORCH_CHECK(shapes.scalar_type() == at::kLong && shapes.is_contiguous() && shapes.dim() == 2 &&
+                  shapes.size(0) == count && shapes.size(1) == 2,
+              "shapes: [count, 2] int64");
+  const int64_t size = static_cast<int64_t>(info.size);
+  const int64_t esize = out.element_size();
+  const auto* bytes = static_cast<const uint8_t*>(info.ptr);
+  const int64_t* boff = byte_offsets.data_ptr<int64_t>();
+  const int64_t* shp = shapes.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  std::vector<Src> views;
+  views.reserve(count);
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t m = shp[2 * k], n = shp[2 * k + 1];
+    TORCH_CHECK(m >= 0 && n >= 0 && base >= 0 && boff[k] >= 0, "matrix ", k, ": negative shape or offset");
+    const int64_t begin = base + boff[k];
+    TORCH_CHECK(begin <= size && m * n * esize <= size - begin, "matrix ", k, " does not lie inside the buffer");
+    TORCH_CHECK(off[k] >= 0 && off[k] + m * n <= out.numel(), "matrix ", k, " does not fit in out");
+    const uint8_t* p = bytes + begin;
+    if (reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(esize)) return -2;
+    views.push_back({p, m, n, n, 1});
+  }
+  py::gil_scoped_release release;
+  return run_sized(views, off, out, static_cast<uint64_t>(nonfinite_mask));
 }
 
 // The OpenMP regions the calling thread starts from now on (torch's intra-op work, these kernels') run on
@@ -163,6 +216,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "write each source transposed into a flat output, at its offset; the first source with a NaN or Inf",
         py::arg("srcs"), py::arg("out"), py::arg("offsets"), py::arg("nonfinite_mask") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("transpose_from_buffer", &transpose_from_buffer,
+        "transpose_into with row-major sources inside one byte buffer, named by byte offset and shape",
+        py::arg("data"), py::arg("base"), py::arg("byte_offsets"), py::arg("shapes"), py::arg("out"),
+        py::arg("offsets"), py::arg("nonfinite_mask") = 0);
   m.def("confine_to_one_thread", &confine_to_one_thread,
         "OpenMP regions started by the calling thread run on it alone (others' teams unchanged)");
 }

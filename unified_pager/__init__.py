@@ -6,6 +6,7 @@ AdapterResidency index tensors and block tables. Geometry and invariants: docs/P
 
 from .adapter_pages import AdapterResidency, ModuleSlot
 from .geometry import PoolGeometry, RowLayout, row_width_for
+from .pack_plan import PackPlan, PackPlans
 from .packed_rows import PackedRows, load_packed_folder, pack_adapter
 from .pager import PoolStats, UnifiedPager
 from .pool import PagePool
@@ -13,6 +14,8 @@ from .pool import PagePool
 __all__ = [
     "AdapterResidency",
     "ModuleSlot",
+    "PackPlan",
+    "PackPlans",
     "PackedRows",
     "PagePool",
     "PoolGeometry",

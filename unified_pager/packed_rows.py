@@ -22,12 +22,13 @@ import torch
 
 from loraplex.errors import AdapterError
 from loraplex.lora.peft_config import llama_module_name
-from loraplex.lora.peft_loader import load_peft_adapter
+from loraplex.lora.peft_loader import read_peft_folder
 from loraplex.lora.types import MODULE_INDEX, LoraAdapter, LoraModuleWeights
 from loraplex.models.config import ModelConfig
 
 from .adapter_rows import RowAssignment, assign_rows, write_rows
 from .geometry import RowLayout
+from .pack_plan import PackPlans, folder_key, header_matrices, learn_plan, load_planned_folder
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: identity semantics; tensors have no boolean ==
@@ -85,10 +86,23 @@ def pack_adapter(adapter: LoraAdapter, layout: RowLayout, pin_memory: bool = Fal
 
 
 def load_packed_folder(name: str, folder: str | Path, model: ModelConfig, max_lora_rank: int, layout: RowLayout,
-                       pin_memory: bool = False) -> LoraAdapter:
+                       pin_memory: bool = False, plans: PackPlans | None = None) -> LoraAdapter:
     """A PEFT adapter folder read, validated and packed for `layout`, with every check of
     load_peft_adapter; the NaN/Inf check of the weights rides on the packing copy instead of a
     scan of its own (6 of 38 ms of a rank-16 default-model load on the AMD dev CPU, measured by
-    benchmarks/adapter_folder_load.py)."""
-    adapter = load_peft_adapter(name, folder, model, max_lora_rank, layout.dtype, check_finite=False)
-    return pack_adapter(adapter, layout, pin_memory=pin_memory, check_finite=True)
+    benchmarks/adapter_folder_load.py). With `plans` (made for this model, rank limit and layout), a
+    folder whose config and weights header are those of one loaded before is packed by that load's
+    plan (pack_plan.py), and a folder loaded in full teaches its plan."""
+    if plans is not None:
+        plans.check(model, max_lora_rank, layout)
+        planned = load_planned_folder(plans, name, folder, pin_memory)
+        if planned is not None:
+            return planned
+    read = read_peft_folder(name, folder, model, max_lora_rank, layout.dtype, check_finite=False)
+    adapter = pack_adapter(read.adapter, layout, pin_memory=pin_memory, check_finite=True)
+    if plans is not None:
+        matrices = header_matrices(read.weights.header)
+        if matrices is not None:
+            plans.learn(folder_key(read.config_bytes, read.weights.header_bytes),
+                        learn_plan(adapter, matrices, read.weights.data.numel()))
+    return adapter

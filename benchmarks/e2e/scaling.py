@@ -39,7 +39,7 @@ from loraplex.adapter_store.schemas import AdapterPublic
 from loraplex.config import EngineConfig
 from loraplex.engine import EngineCore
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter
-from loraplex.unified_pager import RowLayout, load_packed_folder
+from loraplex.unified_pager import PackPlans, RowLayout, load_packed_folder
 
 import traces as T
 
@@ -68,6 +68,7 @@ class FolderStore:
         self._model = engine.model_config
         self._dtype = engine.config.torch_dtype
         self._layout = RowLayout.for_model(self._model, self._dtype)
+        self._plans = PackPlans(self._model, self.config.max_lora_rank, self._layout)  # as the store's loader has
         now = datetime.now(timezone.utc)
         self.refs = {name: AdapterPublic(
             id=str(uuid.uuid5(uuid.NAMESPACE_URL, str(path))), tenant_id=TENANT, name=name, version=1,
@@ -79,7 +80,8 @@ class FolderStore:
 
     def _load(self, ref: AdapterPublic) -> tuple[LoraAdapter, LoadTimings]:
         t0 = time.perf_counter()
-        packed = load_packed_folder(ref.name, ref.storage_key, self._model, self.config.max_lora_rank, self._layout)
+        packed = load_packed_folder(ref.name, ref.storage_key, self._model, self.config.max_lora_rank, self._layout,
+                                    plans=self._plans)
         return packed, LoadTimings(0.0, 0.0, time.perf_counter() - t0, packed.nbytes, 0.0)
 
     def resolve(self, tenant_id: str, name: str) -> AdapterPublic:

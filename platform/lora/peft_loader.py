@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from safetensors import SafetensorError
 from loraplex.errors import AdapterError, ConfigError
 from loraplex.lora.finite import first_nonfinite
 from loraplex.lora.peft_config import MODULE_BLOCK, AdapterConfigInfo, llama_module_name, validate_adapter_config
-from loraplex.lora.safetensors_views import read_views
+from loraplex.lora.safetensors_views import SafetensorsFile, read_file
 from loraplex.lora.types import MODULE_INDEX, LoraAdapter, LoraModuleWeights
 from loraplex.models.config import ModelConfig
 
@@ -35,6 +36,15 @@ _KEY = re.compile(
 )
 
 
+@dataclass(frozen=True)
+class PeftFolderRead:
+    """A folder load's result beside the exact bytes it checked (unified_pager.pack_plan learns from them)."""
+
+    adapter: LoraAdapter
+    config_bytes: bytes  # adapter_config.json as read
+    weights: SafetensorsFile  # adapter_model.safetensors as read; its tensors back the adapter's where no cast was due
+
+
 def load_peft_adapter(
     name: str,
     path: str | Path,
@@ -47,28 +57,35 @@ def load_peft_adapter(
     check_finite=False skips the NaN/Inf scan of weights that need no cast: only for a caller that
     checks them in a pass of its own (pack_adapter(check_finite=True), see load_packed_folder).
     Cast weights are always checked (a cast can overflow)."""
+    return read_peft_folder(name, path, model, max_lora_rank, dtype, check_finite).adapter
+
+
+def read_peft_folder(name: str, path: str | Path, model: ModelConfig, max_lora_rank: int,
+                     dtype: torch.dtype = torch.float32, check_finite: bool = True) -> PeftFolderRead:
+    """load_peft_adapter, with the bytes its checks ran on."""
     if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
         raise ConfigError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
     if not dtype.is_floating_point:
         raise ConfigError(f"adapter dtype must be a floating-point dtype, got {dtype}")
     folder = Path(path)
     try:
-        raw_config = _read_config(folder)
+        config_bytes, raw_config = _read_config(folder)
         info = validate_adapter_config(raw_config)
-        tensors = _read_weights(folder / WEIGHTS_FILE)
-        modules = _build_modules(tensors, info, model, max_lora_rank, dtype, check_finite)
+        weights = _read_weights(folder / WEIGHTS_FILE)
+        modules = _build_modules(weights.tensors, info, model, max_lora_rank, dtype, check_finite)
     except AdapterError as e:
         raise AdapterError(f"adapter {name!r} at {folder}: {e}") from e
-    return LoraAdapter(
+    adapter = LoraAdapter(
         name=name,
         modules=modules,
         max_rank=max(m.rank for m in modules),
         source=str(folder),
         config=raw_config,
     )
+    return PeftFolderRead(adapter, config_bytes, weights)
 
 
-def _read_config(folder: Path) -> dict:
+def _read_config(folder: Path) -> tuple[bytes, dict]:
     if not folder.exists():
         raise AdapterError("adapter folder does not exist")
     if not folder.is_dir():
@@ -78,14 +95,15 @@ def _read_config(folder: Path) -> dict:
     if not config_path.is_file():
         raise AdapterError(f"{CONFIG_FILE} is missing")
     try:
-        return json.loads(config_path.read_text(encoding="utf-8"))
+        raw = config_path.read_bytes()
+        return raw, json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError) as e:
         raise AdapterError(f"cannot read {CONFIG_FILE}: {e}") from e
     except json.JSONDecodeError as e:
         raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {e}") from e
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def _read_weights(path: Path) -> SafetensorsFile:
     if not path.is_file():
         pickles = sorted(p.name for p in path.parent.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
         if pickles:
@@ -97,7 +115,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     _check_safetensors_header(path)
     try:
         # Unknown tensors are refused by name (in read_views' key check) before any data is read.
-        return read_views(path, check_keys=lambda keys: [_parse_key(k) for k in keys])
+        return read_file(path, check_keys=lambda keys: [parse_weights_key(k) for k in keys])
     except AdapterError:
         raise
     except (SafetensorError, OSError, ValueError, TypeError, KeyError) as e:
@@ -126,7 +144,7 @@ def _check_safetensors_header(path: Path) -> None:
 # Cached: every adapter of one base model has the same few hundred keys, and each load parses each
 # key twice (the early refusal of unknown names, then the pairing); refusals raise, so are not cached.
 @lru_cache(maxsize=8192)
-def _parse_key(key: str) -> tuple[int, str, str, str | None]:
+def parse_weights_key(key: str) -> tuple[int, str, str, str | None]:
     """(layer, module, 'lora_A' | 'lora_B', adapter-name segment or None), or AdapterError naming the key."""
     m = _KEY.match(key)
     if m is None or MODULE_BLOCK.get(m["module"]) != m["block"]:
@@ -157,7 +175,7 @@ def _build_modules(
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     adapter_segments: set[str | None] = set()
     for key, tensor in tensors.items():
-        layer, module, half, segment = _parse_key(key)
+        layer, module, half, segment = parse_weights_key(key)
         adapter_segments.add(segment)
         if len(adapter_segments) > 1:
             raise AdapterError(

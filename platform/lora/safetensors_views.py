@@ -16,6 +16,7 @@ import json
 import math
 import struct
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,10 +32,26 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """One safetensors file as read: the header's exact bytes beside what was made of them."""
+
+    header_bytes: bytes  # the JSON header as stored (without its 8-byte length)
+    header: dict  # parsed, without __metadata__: tensor name -> {"dtype", "shape", "data_offsets"}
+    data: torch.Tensor  # [bytes] uint8: the data section, which every tensor views
+    tensors: dict[str, torch.Tensor]  # file order
+
+
 def read_views(path: Path, check_keys: Callable[[Sequence[str]], object] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file at path, as views of one host buffer (file order).
     check_keys sees the tensor names before any data is read (it raises to refuse the file).
     Raises whatever safe_open raises for a malformed header, AdapterError for an entry it cannot map."""
+    return read_file(path, check_keys).tensors
+
+
+def read_file(path: Path, check_keys: Callable[[Sequence[str]], object] | None = None) -> SafetensorsFile:
+    """read_views, keeping the header's bytes and the data buffer (a caller that learns from the header
+    needs the exact bytes that were checked, not a second read of a file that may have changed)."""
     with safe_open(str(path), framework="pt") as f:  # the library's header checks, before any of ours
         keys = list(f.keys())
     if check_keys is not None:
@@ -42,18 +59,20 @@ def read_views(path: Path, check_keys: Callable[[Sequence[str]], object] | None 
     # Unbuffered: the data lands in the tensor in one read (through a BufferedReader it took 3x as
     # long on the dev machine, 13 vs 4.6 ms for 20 MB from the page cache).
     with path.open("rb", buffering=0) as f:
-        (header_len,) = struct.unpack("<Q", _read_exact(f, 8))
-        header = json.loads(_read_exact(f, header_len))
+        (header_len,) = struct.unpack("<Q", read_exact(f, 8))
+        header_bytes = read_exact(f, header_len)
+        header = json.loads(header_bytes)
         data = torch.empty(path.stat().st_size - 8 - header_len, dtype=torch.uint8)  # [bytes], aligned
-        got = _read_into(f, memoryview(data.numpy()))
+        got = read_into(f, memoryview(data.numpy()))
     if got != data.numel():
         raise AdapterError(f"file ended after {got} of {data.numel()} data bytes (was it changed while read?)")
     header.pop("__metadata__", None)
     typed: dict[torch.dtype, torch.Tensor] = {}  # the whole buffer as each dtype met: one view op per tensor
-    return {key: _view(key, entry, data, typed) for key, entry in header.items()}
+    tensors = {key: _view(key, entry, data, typed) for key, entry in header.items()}
+    return SafetensorsFile(header_bytes, header, data, tensors)
 
 
-def _read_into(f, buf: memoryview) -> int:
+def read_into(f, buf: memoryview) -> int:
     """Fill buf from the raw file f (a raw read may return fewer bytes than asked); bytes read."""
     n = 0
     while n < len(buf):
@@ -64,9 +83,9 @@ def _read_into(f, buf: memoryview) -> int:
     return n
 
 
-def _read_exact(f, size: int) -> bytes:
+def read_exact(f, size: int) -> bytes:
     buf = bytearray(size)
-    if _read_into(f, memoryview(buf)) != size:
+    if read_into(f, memoryview(buf)) != size:
         raise AdapterError(f"file ended inside its {size}-byte header")
     return bytes(buf)
 

@@ -81,3 +81,28 @@ def test_the_engine_packs_a_folder_as_it_loads_it(tiny_config, tiny_model_dir, t
     assert adapter.packed is not None and adapter.packed.layout == engine.pager.geometry.row_layout
     assert plan_adapter(engine.pager.geometry, adapter).packed_rows is adapter.packed.rows
     assert_same_adapter(adapter, load_peft_adapter("a", folder, tiny_config, 16))
+    # A second folder of the same shape is packed by the plan the first taught (pack_plan.py).
+    second = write_peft_adapter(tmp_path / "b", tiny_config, r=8, targets=ALL)
+    got = engine.adapters.host(engine.load_adapter("b", second))
+    assert engine.pack_plans.hits == 1
+    assert_same_adapter(got, load_peft_adapter("b", second, tiny_config, 16))
+
+
+@pytest.mark.parametrize("objects", ["local", "s3"])
+def test_blobs_of_one_shape_are_packed_by_a_plan(make_store, tiny_config, tmp_path, objects):
+    """The second blob of a shape skips the decode (the loader's plan packs it from the fetched bytes,
+    a bytearray from the local folder, bytes from S3) and holds the folder's weights, as the first does."""
+    store = make_store(objects=objects)
+    tenant = new_tenant(store)
+    folders = [write_peft_adapter(tmp_path / f"a{i}", tiny_config, r=8, targets=ALL) for i in range(3)]
+    folders.append(write_peft_adapter(tmp_path / "other", tiny_config, r=4, targets=("q_proj",)))
+    layout = RowLayout.for_model(tiny_config, torch.float32)
+    for i, folder in enumerate(folders):
+        adapter = store.get(store.upload_path(tenant, f"a{i}", folder))
+        want = load_packed_folder(f"a{i}", folder, tiny_config, 16, layout)
+        assert torch.equal(adapter.packed.rows, want.packed.rows)
+        assert_same_adapter(adapter, want)
+        assert adapter.config == want.config and adapter.packed.modules is adapter.modules
+        timings = store.cache.last_timings
+        assert (timings.decode_s == 0) == (i in (1, 2))  # planned: no decode; the first of a shape decodes
+    assert (store.loader.plans.hits, len(store.loader.plans)) == (2, 2)

@@ -129,3 +129,66 @@ def test_avx_blocks_and_their_edges_transpose_exactly():
             t[i, j] = float("inf")
             assert ext.transpose_into(srcs, out, offsets, 0x7F800000) == k
             t[i, j] = keep
+
+
+_MASKS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000, torch.float64: 0x7FF0000000000000}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "numpy"])
+def test_packing_from_a_byte_buffer_transposes_each_matrix_at_its_offset(dtype, kind):
+    """transpose_from_buffer (the pack plans' copy): row-major matrices laid in one buffer, with gaps and
+    out of order, each written transposed at its output offset; the rest of the output untouched."""
+    ext = load_extension("cpu_pack")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    size = dtype.itemsize
+    mats = [torch.randn(int(torch.randint(1, 30, (), generator=g)), int(torch.randint(1, 30, (), generator=g)),
+                        generator=g).to(dtype) for _ in range(9)]
+    order = torch.randperm(len(mats), generator=g).tolist()  # the buffer holds them in another order
+    blob, where = bytearray(b"\xff" * 3 * size), {}  # a header-like prefix, as a file's data follows its header
+    base = len(blob)
+    for k in order:
+        blob += b"\xee" * size * int(torch.randint(0, 3, (), generator=g))  # gaps between matrices
+        where[k] = len(blob) - base
+        blob += mats[k].contiguous().view(torch.uint8).numpy().tobytes()
+    data = {"bytes": bytes(blob), "bytearray": blob, "numpy": torch.frombuffer(blob, dtype=torch.uint8).numpy()}[kind]
+    sizes = torch.tensor([t.numel() for t in mats])
+    offsets = sizes.cumsum(0) - sizes
+    out = torch.full((int(sizes.sum()) + 4,), float("nan"), dtype=dtype)
+    shapes = torch.tensor([list(t.shape) for t in mats])
+    byte_offsets = torch.tensor([where[k] for k in range(len(mats))])
+    assert ext.transpose_from_buffer(data, base, byte_offsets, shapes, out, offsets, _MASKS[dtype]) == -1
+    for t, o in zip(mats, offsets.tolist()):
+        assert torch.equal(out[o : o + t.numel()].view(t.shape[1], t.shape[0]), t.t())
+    assert torch.isnan(out[-4:].float()).all()
+    k = int(torch.randint(len(mats), (), generator=g))  # a NaN in one matrix: named, all still written
+    bad = mats[k].clone()
+    bad.view(-1)[int(torch.randint(bad.numel(), (), generator=g))] = float("nan")
+    start = base + where[k]
+    blob[start : start + bad.numel() * size] = bad.view(torch.uint8).numpy().tobytes()
+    assert ext.transpose_from_buffer(bytes(blob), base, byte_offsets, shapes, out, offsets, _MASKS[dtype]) == k
+    assert ext.transpose_from_buffer(bytes(blob), base, byte_offsets, shapes, out, offsets, 0) == -1
+
+
+def test_packing_from_a_byte_buffer_refuses_what_does_not_fit():
+    ext = load_extension("cpu_pack")
+    blob = torch.randn(6).view(torch.uint8).numpy().tobytes()  # 24 bytes: a [2, 3] float32 matrix
+    out = torch.zeros(8)
+    args = (torch.tensor([[2, 3]]), out, torch.tensor([0]), 0)
+    assert ext.transpose_from_buffer(blob, 0, torch.tensor([0]), *args) == -1
+    out.zero_()
+    for base, offset, match in ((4, 0, "inside the buffer"), (0, 4, "inside the buffer"),
+                                (0, -4, "negative"), (-4, 0, "negative")):
+        with pytest.raises(RuntimeError, match=match):
+            ext.transpose_from_buffer(blob, base, torch.tensor([offset]), *args)
+    with pytest.raises(RuntimeError, match="does not fit in out"):
+        ext.transpose_from_buffer(blob, 0, torch.tensor([0]), torch.tensor([[2, 3]]), out, torch.tensor([3]), 0)
+    with pytest.raises(RuntimeError, match="shapes"):
+        ext.transpose_from_buffer(blob, 0, torch.tensor([0]), torch.tensor([2, 3]), out, torch.tensor([0]), 0)
+    with pytest.raises(RuntimeError, match="flat byte buffer"):
+        ext.transpose_from_buffer(torch.zeros(6).numpy(), 0, torch.tensor([0]), *args)  # float items
+    assert torch.equal(out, torch.zeros(8))  # checked before anything is written
+    # A matrix that starts between elements: nothing written, -2 (the caller takes its other path).
+    assert ext.transpose_from_buffer(b"\0" + blob, 1, torch.tensor([0]), torch.tensor([[1, 5]]), out,
+                                     torch.tensor([0]), 0) == -2
+    assert torch.equal(out, torch.zeros(8))

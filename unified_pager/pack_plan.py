@@ -1,0 +1,220 @@
+"""Packing many adapters of one shape: a plan learnt from the first file, reused for every file whose
+header is byte for byte the same.
+
+Why: every adapter of one base model with the same ranks and target modules has the same safetensors
+header (keys, shapes, dtypes, offsets), and a folder load spent ~12 of its ~18 ms (rank 16, default
+model, the tenth session's AMD EPYC) in Python over its ~420 tensors: parsing the header and the keys,
+a view per tensor, the shape checks per module, the row assignment, the views of the packed rows. A
+plan keeps what those steps concluded for bytes that passed every check, keyed by exactly those bytes
+(a folder's adapter_config.json and weights header; a stored blob's header, which holds its config).
+A later file with the same bytes passes the same checks with the same result, so it is read whole and
+packed by one C++ call straight from its buffer (kernels/cpu_pack.cpp, transpose_from_buffer). Only
+the values differ between such files, and every one of them is still checked for NaN and Inf, on the
+packing copy, as load_packed_folder does.
+
+A plan holds for one base model, rank limit and row layout (the checks' other inputs): PackPlans is
+made for one and refuses to serve another. Files whose tensors need a cast (another dtype than the
+layout's) or sit at unaligned offsets get no plan and always take the full path.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplex.errors import AdapterError, ConfigError
+from loraplex.lora.peft_config import llama_module_name
+from loraplex.lora.peft_loader import CONFIG_FILE, WEIGHTS_FILE, parse_weights_key
+from loraplex.lora.safetensors_views import DTYPES, read_exact, read_into
+from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
+from loraplex.models.config import ModelConfig
+
+from .adapter_rows import _EXPONENT_MASK, ModuleSlot, RowAssignment
+from .geometry import RowLayout
+
+# (layer, module name, "lora_A" | "lora_B") -> (dtype, first byte in the data section)
+Matrices = Mapping[tuple[int, str, str], tuple[torch.dtype, int]]
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: holds tensors
+class PackPlan:
+    """What the checks and the row assignment concluded for one header, as the tables of one C++ copy."""
+
+    layout: RowLayout
+    data_bytes: int  # length of the data section the header describes
+    byte_offsets: torch.Tensor  # [2M] int64: first byte of A_0, B_0, A_1, B_1, ... (packing order) in the data
+    shapes: torch.Tensor  # [2M, 2] int64: A [rank, in], B [out, rank]
+    row_offsets: torch.Tensor  # [2M] int64: first element of A_k^T and B_k^T in the flat packed rows
+    slots: tuple[ModuleSlot, ...]  # packing order, which is also the adapter's (layer, module) order
+    assignment: RowAssignment  # modules=() here: each packed adapter gets its own
+    max_rank: int
+    config: dict  # the adapter_config the checks ran on (each adapter gets a copy)
+
+    def pack(self, name: str, data, base: int, source: str, pin_memory: bool = False) -> LoraAdapter | None:
+        """The adapter whose data section starts at byte `base` of the buffer `data` (bytes, bytearray or a
+        uint8 array; the caller checked its length against data_bytes), packed; AdapterError naming the
+        first matrix holding a NaN or an Inf; None where the buffer's alignment rules out the direct copy."""
+        from loraplex.kernels.cpu_build import load_extension  # lazily: the pager never needs the kernels
+
+        ext = load_extension("cpu_pack")
+        if ext is None:
+            return None
+        d = self.layout.row_width
+        rows = torch.empty(self.assignment.num_rows, d, dtype=self.layout.dtype, pin_memory=pin_memory)  # [R, D]
+        bad = ext.transpose_from_buffer(data, base, self.byte_offsets, self.shapes, rows.view(-1), self.row_offsets,
+                                        _EXPONENT_MASK[self.layout.dtype])
+        if bad == -2:
+            return None
+        if bad >= 0:
+            s = self.slots[bad // 2]
+            raise AdapterError(f"adapter {name!r}: {llama_module_name(s.layer, TARGET_MODULES[s.module])} "
+                               f"{('lora_A', 'lora_B')[bad % 2]} contains NaN or Inf values")
+        # The views pack_adapter makes (A [rank, in] over A^T's rows, b [out, rank] over B^T's), one op each.
+        modules = tuple(
+            LoraModuleWeights(s.layer, TARGET_MODULES[s.module], s.rank, s.scale,
+                              rows.as_strided((s.rank, s.in_features), (1, s.rank), s.a_row * d),
+                              rows.as_strided((s.out_features, s.rank), (1, s.out_features), s.b_row * d))
+            for s in self.slots)
+        from .packed_rows import PackedRows  # packed_rows imports this module
+
+        packed = PackedRows(self.layout, rows, modules, self.assignment._replace(modules=modules))
+        return LoraAdapter(name=name, modules=modules, max_rank=self.max_rank, source=source,
+                           config=copy.deepcopy(self.config), packed=packed)
+
+
+def header_matrices(header: Mapping[str, object]) -> Matrices | None:
+    """The adapter matrices a (checked) safetensors header names, or None if any entry is not one."""
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            layer, module, half, _ = parse_weights_key(key)
+            dtype = DTYPES[entry["dtype"]]
+            begin = int(entry["data_offsets"][0])
+        except (AdapterError, KeyError, TypeError, ValueError, IndexError):
+            return None
+        out[(layer, module, half)] = (dtype, begin)
+    return out
+
+
+def learn_plan(adapter: LoraAdapter, matrices: Matrices, data_bytes: int) -> PackPlan | None:
+    """The plan of a packed adapter that passed every check, read from a file whose header names
+    `matrices`; None where the file cannot be packed by the direct copy (a cast, an unaligned offset)
+    or the header and the adapter do not describe the same matrices."""
+    packed = adapter.packed
+    if packed is None:
+        return None
+    layout, asg = packed.layout, packed.assignment
+    if len(matrices) != 2 * len(asg.modules):
+        return None
+    itemsize = layout.dtype.itemsize
+    byte_offsets, shapes, row_offsets, slots = [], [], [], []
+    for m, s in zip(asg.modules, asg.slots.values()):
+        for half, shape, row in (("lora_A", (s.rank, s.in_features), s.a_row),
+                                 ("lora_B", (s.out_features, s.rank), s.b_row)):
+            got = matrices.get((m.layer, m.module, half))
+            if got is None or got[0] != layout.dtype or got[1] % itemsize:
+                return None
+            byte_offsets.append(got[1])
+            shapes.append(shape)
+            row_offsets.append(row * layout.row_width)
+        if tuple(m.a.shape) != shapes[-2] or tuple(m.b.shape) != shapes[-1]:
+            return None
+        slots.append(s)
+    if len(packed.modules) != len(asg.modules) or any(a is not b for a, b in zip(packed.modules, asg.modules)):
+        return None  # the adapter's module order is not the packing order: a plan rebuilds only the latter
+    return PackPlan(layout, data_bytes, torch.tensor(byte_offsets, dtype=torch.int64),
+                    torch.tensor(shapes, dtype=torch.int64).view(-1, 2), torch.tensor(row_offsets, dtype=torch.int64),
+                    tuple(slots), asg._replace(modules=()), asg.max_rank, copy.deepcopy(adapter.config))
+
+
+class PackPlans:
+    """The plans one loader learnt, for one base model, rank limit and row layout; least recently used
+    first out past `capacity` (one plan per adapter shape: ranks and target modules). Thread-safe: the
+    host cache's prefetch threads share one."""
+
+    def __init__(self, model: ModelConfig, max_lora_rank: int, layout: RowLayout, capacity: int = 64):
+        if capacity < 1:
+            raise ConfigError(f"plan capacity must be at least 1, got {capacity}")
+        self.model, self.max_lora_rank, self.layout = model, max_lora_rank, layout
+        self.capacity = capacity
+        self._plans: OrderedDict[object, PackPlan] = OrderedDict()
+        self._lock = threading.Lock()
+        self._scratch = threading.local()  # each loading thread's read buffer, see scratch()
+        self.hits = 0
+        self.misses = 0
+
+    def check(self, model: ModelConfig, max_lora_rank: int, layout: RowLayout) -> None:
+        if (model, max_lora_rank, layout) != (self.model, self.max_lora_rank, self.layout):
+            raise ConfigError("these pack plans were made for another model, rank limit or row layout")
+
+    def get(self, key: object, data_bytes: int) -> PackPlan | None:
+        """The plan learnt for `key`, if its data section has this length (else the file is not what the
+        plan expects, and the full path must judge it)."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None or plan.data_bytes != data_bytes:
+                self.misses += 1
+                return None
+            self._plans.move_to_end(key)
+            self.hits += 1
+            return plan
+
+    def learn(self, key: object, plan: PackPlan | None) -> None:
+        if plan is None or plan.layout != self.layout:
+            return
+        with self._lock:
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """[nbytes] uint8: the calling thread's buffer for a file's data, reused from load to load (grown
+        when needed). A fresh buffer per load cost more than the load itself: on the tenth session's
+        AMD EPYC (a VM) a rank-16 load with 2 x 20 MB of freshly faulted memory took 20-120 ms of
+        kernel time against 4-7 ms where its memory had been touched before."""
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._scratch.buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+
+def folder_key(config_bytes: bytes, header_bytes: bytes) -> tuple[str, bytes, bytes]:
+    return ("folder", config_bytes, header_bytes)
+
+
+def load_planned_folder(plans: PackPlans, name: str, folder: str | Path, pin_memory: bool = False
+                        ) -> LoraAdapter | None:
+    """The folder's adapter packed by a plan learnt from the same config and header bytes; None where
+    there is none (or the file does not read as that plan expects): the caller then takes the full path,
+    which gives whatever error the folder deserves."""
+    folder = Path(folder)
+    try:
+        config_bytes = (folder / CONFIG_FILE).read_bytes()
+        with (folder / WEIGHTS_FILE).open("rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            (header_len,) = struct.unpack("<Q", read_exact(f, 8))
+            if header_len > size - 8:
+                return None
+            plan = plans.get(folder_key(config_bytes, read_exact(f, header_len)), size - 8 - header_len)
+            if plan is None:
+                return None
+            data = plans.scratch(plan.data_bytes)  # [bytes]; rows are built from it, it is not kept
+            if read_into(f, memoryview(data.numpy())) != plan.data_bytes:
+                return None
+    except (OSError, AdapterError, struct.error):
+        return None
+    return plan.pack(name, data.numpy(), 0, str(folder), pin_memory)
