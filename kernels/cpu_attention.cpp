@@ -134,7 +134,8 @@ __attribute__((always_inline)) inline vf reduce16(const vf* part) {
 // NV: vectors per head row when head_dim is 32, 64 or 128, known at compile time (the loops
 // unroll and the partial sums stay in registers); 0: any head_dim, with a scalar tail.
 template <int NV>
-__attribute__((always_inline)) inline vf chunk_scores(const float* qr, const float* const* k, int n, int d) {
+__attribute__((always_inline)) inline vf chunk_scores(const float* qr, const float* const* k, int n, int d,
+                                                      int64_t off = 0) {
   const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const vf ninf = splat(-std::numeric_limits<float>::infinity());
   vf s;
@@ -143,8 +144,9 @@ __attribute__((always_inline)) inline vf chunk_scores(const float* qr, const flo
     for (int c = 0; c < NV; ++c) qv[c] = load(qr + c * VL);
     for (int i = 0; i < VL; ++i) {
       if (i < n) {
-        vf a = qv[0] * load(k[i]);
-        for (int c = 1; c < NV; ++c) a += qv[c] * load(k[i] + c * VL);
+        const float* kr = k[i] + off;
+        vf a = qv[0] * load(kr);
+        for (int c = 1; c < NV; ++c) a += qv[c] * load(kr + c * VL);
         part[i] = a;
       } else {
         part[i] = vf{};
@@ -153,15 +155,15 @@ __attribute__((always_inline)) inline vf chunk_scores(const float* qr, const flo
     s = reduce16(part);
   } else {
     alignas(64) float t[VL] = {};
-    for (int i = 0; i < n; ++i) t[i] = dot(qr, k[i], d);
+    for (int i = 0; i < n; ++i) t[i] = dot(qr, k[i] + off, d);
     s = load(t);
   }
   return lane < n ? s : ninf;
 }
 
-// acc += sum_i p[i] * v[i] over n value rows.
+// acc += sum_i p[i] * (v[i] + off) over n value rows.
 template <int NV>
-inline void accumulate(float* acc, const float* p, const float* const* v, int n, int d) {
+inline void accumulate(float* acc, const float* p, const float* const* v, int n, int d, int64_t off = 0) {
   if constexpr (NV > 0) {
     // Two sets of accumulators (even and odd keys): one set would chain 16 dependent FMAs per
     // vector, latency-bound at half the FMA throughput.
@@ -173,18 +175,19 @@ inline void accumulate(float* acc, const float* p, const float* const* v, int n,
     int i = 0;
     for (; i + 1 < n; i += 2) {
       const float w0 = p[i], w1 = p[i + 1];
+      const float *v0 = v[i] + off, *v1 = v[i + 1] + off;
       for (int c = 0; c < NV; ++c) {
-        a[c] += w0 * load(v[i] + c * VL);
-        b[c] += w1 * load(v[i + 1] + c * VL);
+        a[c] += w0 * load(v0 + c * VL);
+        b[c] += w1 * load(v1 + c * VL);
       }
     }
     if (i < n)
-      for (int c = 0; c < NV; ++c) a[c] += p[i] * load(v[i] + c * VL);
+      for (int c = 0; c < NV; ++c) a[c] += p[i] * load(v[i] + off + c * VL);
     for (int c = 0; c < NV; ++c) store(acc + c * VL, a[c] + b[c]);
   } else {
     for (int i = 0; i < n; ++i) {
       const float w = p[i];
-      const float* vi_ = v[i];
+      const float* vi_ = v[i] + off;
       int c = 0;
       for (; c + VL <= d; c += VL) store(acc + c, load(acc + c) + w * load(vi_ + c));
       for (; c < d; ++c) acc[c] += w * vi_[c];
@@ -228,10 +231,10 @@ T* grown(std::vector<T>& v, int64_t n) {
 // over the pool, where the hardware prefetchers do not follow. (Measured at B=64 decode: 30%
 // faster than no prefetch; a separate prefetch walk one, two or four chunks ahead ran 40% slower.)
 inline bool locate(const Problem& pb, int64_t seq, int64_t g, int64_t t0, int64_t nkeys, const float** k,
-                   const float** v) {
+                   const float** v, int64_t heads = 1) {
   const int32_t* pages = pb.tables + seq * pb.max_blocks;
   const int64_t row = pb.kvh * pb.d, half = pb.bs * row;
-  const int64_t lines = (pb.d * (int64_t)sizeof(float) + 63) / 64;
+  const int64_t lines = (heads * pb.d * (int64_t)sizeof(float) + 63) / 64;  // kv heads g .. g + heads - 1
   const int n = (int)std::min<int64_t>(VL, nkeys - t0);
   for (int i = 0; i < n;) {
     const int64_t t = t0 + i;
@@ -262,13 +265,17 @@ constexpr float RESCALE_AT = 8.0f;
 // 16 both paths take the same time; prefill tiles of 48-96 rows run 1.3-2x faster in lanes).
 constexpr int64_t LANE_ROWS = 16;
 
-// False (the item's output rows left unwritten) when the tile points outside the tables or the pool.
+// Kv heads g .. g + gn - 1 of a tile, all their query heads as rows: a decode tile takes every kv head
+// in one item, so that each chunk reads the K (then V) rows of all heads of its keys, which lie side by
+// side in the page, in one pass (one head after another, the same lines were fetched kvh times, from
+// L2 at best). False (the item's output rows left unwritten) when the tile points outside the tables
+// or the pool.
 template <int NV>
-bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc) {
+bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc, int64_t gn = 1) {
   const int32_t* tile = pb.tiles + 4 * w;
   const int64_t seq = tile[0], tok0 = tile[1], mt = tile[2], keys0 = tile[3];
   const int d = NV > 0 ? NV * VL : (int)pb.d;
-  const int64_t G = pb.group, R = mt * G;
+  const int64_t G = pb.group, Gt = G * gn, R = mt * Gt;  // rows per token: the query heads of gn kv heads
   const int64_t nkeys = keys0 + mt - 1;  // the last token's keys: every key any row reads
   if (seq < 0 || seq >= pb.num_seqs || mt < 1 || keys0 < 1 || nkeys > pb.max_blocks * pb.bs) return false;
   // Rows padded to whole vectors: the vector loops over q and acc may run past head_dim (K/V
@@ -281,11 +288,11 @@ bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc) {
   float* lb = grown(sc.l, R * VL);   // [R, 16] running sums of the weights, lane-wise (reduced at the end)
   float* mx = grown(sc.m, R);        // [R] reference max
 
-  // Rows r = j * G + h. A local copy of q reads a strided q (a slice of the fused qkv) once and
-  // folds the softmax scale in.
+  // Rows r = j * Gt + h: query head g * G + h, whose kv head is g + h / G. A local copy of q reads
+  // a strided q (a slice of the fused qkv) once and folds the softmax scale in.
   for (int64_t j = 0; j < mt; ++j) {
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t r = j * G + h;
+    for (int64_t h = 0; h < Gt; ++h) {
+      const int64_t r = j * Gt + h;
       const float* src = pb.q + (tok0 + j) * pb.q_s0 + (g * G + h) * pb.q_s1;
       float* dst = qb + r * dp;
       for (int c = 0; c < d; ++c) dst[c] = src[c] * pb.scale;
@@ -297,19 +304,21 @@ bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc) {
   }
 
   const float* ptrs[2][2][VL];  // [this chunk / next][K / V][key]
-  if (!locate(pb, seq, g, 0, nkeys, ptrs[0][0], ptrs[0][1])) return false;
+  if (!locate(pb, seq, g, 0, nkeys, ptrs[0][0], ptrs[0][1], gn)) return false;
   for (int64_t t0 = 0, cur = 0; t0 < nkeys; t0 += VL, cur ^= 1) {
     const int n = (int)std::min<int64_t>(VL, nkeys - t0);
-    if (t0 + VL < nkeys && !locate(pb, seq, g, t0 + VL, nkeys, ptrs[cur ^ 1][0], ptrs[cur ^ 1][1])) return false;
+    if (t0 + VL < nkeys && !locate(pb, seq, g, t0 + VL, nkeys, ptrs[cur ^ 1][0], ptrs[cur ^ 1][1], gn))
+      return false;
     const float* const* kp = ptrs[cur][0];
     const float* const* vp = ptrs[cur][1];
     // Rows that see keys of this chunk: causally, token j of the tile sees keys0 + j keys.
-    const int64_t r0 = std::max<int64_t>(0, t0 - keys0 + 1) * G;
-    auto keys_of = [&](int64_t r) { return (int)std::min<int64_t>(n, keys0 + r / G - t0); };
+    const int64_t r0 = std::max<int64_t>(0, t0 - keys0 + 1) * Gt;
+    auto keys_of = [&](int64_t r) { return (int)std::min<int64_t>(n, keys0 + r / Gt - t0); };
+    auto head_of = [&](int64_t r) { return (r % Gt) / G * pb.d; };  // the row's kv head, from head g's pointers
     // Three passes over the rows, each row independent of the others within a pass: the
     // out-of-order core overlaps rows, where one row's scores -> max -> exp -> sum chain alone
     // would leave it waiting on latencies.
-    for (int64_t r = r0; r < R; ++r) store(sb + r * VL, chunk_scores<NV>(qb + r * dp, kp, keys_of(r), d));
+    for (int64_t r = r0; r < R; ++r) store(sb + r * VL, chunk_scores<NV>(qb + r * dp, kp, keys_of(r), d, head_of(r)));
     for (int64_t r = r0; r < R; ++r) {
       const vf sv = load(sb + r * VL);
       const vi over = sv > (mx[r] + RESCALE_AT);
@@ -326,12 +335,12 @@ bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc) {
       store(lb + r * VL, load(lb + r * VL) + pv);
       store(pb_ + r * VL, pv);
     }
-    for (int64_t r = r0; r < R; ++r) accumulate<NV>(acc + r * dp, pb_ + r * VL, vp, keys_of(r), d);
+    for (int64_t r = r0; r < R; ++r) accumulate<NV>(acc + r * dp, pb_ + r * VL, vp, keys_of(r), d, head_of(r));
   }
 
   for (int64_t j = 0; j < mt; ++j) {
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t r = j * G + h;
+    for (int64_t h = 0; h < Gt; ++h) {
+      const int64_t r = j * Gt + h;
       const float inv = 1.f / hsum(load(lb + r * VL));
       const float* ar = acc + r * dp;
       float* dst = pb.out + (tok0 + j) * pb.o_s0 + (g * G + h) * pb.o_s1;
@@ -450,10 +459,9 @@ bool run_item_lanes(const Problem& pb, int64_t w, int64_t g, Scratch& sc) {
 
 template <int NV>
 bool run_all(const Problem& pb, int64_t num_tiles) {
-  // Work units: (tile, kv head) for tiles that run in lanes (prefill); (tile, every kv head in turn) for
-  // tiles that run by rows (decode). A decode tile's kv heads read neighbouring columns of the same
-  // pool pages (a page holds a block's K rows of all heads, then its V rows): on one thread, back to
-  // back, the lines one head's reads bring in with its neighbours' are still in that core's L2.
+  // Work units: (tile, kv head) for tiles that run in lanes (prefill); (tile, every kv head at once) for
+  // tiles that run by rows (decode): a page holds a block's K rows of all heads side by side, then its
+  // V rows, and one item over all heads reads each of its lines once (see run_item).
   struct Unit { int64_t tile, head; };  // head -1: every kv head
   std::vector<Unit> units;
   units.reserve(num_tiles * pb.kvh);
@@ -482,14 +490,14 @@ bool run_all(const Problem& pb, int64_t num_tiles) {
         const int64_t seq = tile[0], nkeys = (int64_t)tile[3] + tile[2] - 1;
         const float* ignored[2][VL];
         if (seq >= 0 && seq < pb.num_seqs && nkeys <= pb.max_blocks * pb.bs)  // else the kernel reports it
-          locate(pb, seq, std::max<int64_t>(0, units[after].head), 0, nkeys, ignored[0], ignored[1]);
+          locate(pb, seq, std::max<int64_t>(0, units[after].head), 0, nkeys, ignored[0], ignored[1],
+                 units[after].head < 0 ? pb.kvh : 1);
       }
       const Unit u = units[it];
       if (u.head >= 0) {
         if (!run_item_lanes<NV>(pb, u.tile, u.head, sc)) ok.store(false, std::memory_order_relaxed);
-      } else {
-        for (int64_t g = 0; g < pb.kvh; ++g)
-          if (!run_item<NV>(pb, u.tile, g, sc)) ok.store(false, std::memory_order_relaxed);
+      } else if (!run_item<NV>(pb, u.tile, 0, sc, pb.kvh)) {
+        ok.store(false, std::memory_order_relaxed);
       }
       it = after;
     }
