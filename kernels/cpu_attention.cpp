@@ -265,17 +265,16 @@ constexpr float RESCALE_AT = 8.0f;
 // 16 both paths take the same time; prefill tiles of 48-96 rows run 1.3-2x faster in lanes).
 constexpr int64_t LANE_ROWS = 16;
 
-// Kv heads g .. g + gn - 1 of a tile, all their query heads as rows: a decode tile takes every kv head
-// in one item, so that each chunk reads the K (then V) rows of all heads of its keys, which lie side by
-// side in the page, in one pass (one head after another, the same lines were fetched kvh times, from
-// L2 at best). False (the item's output rows left unwritten) when the tile points outside the tables
-// or the pool.
+// Every kv head of a tile, all query heads as rows: each chunk reads the K (then V) rows of all heads of
+// its keys, which lie side by side in the page, in one pass (one kv head after another, the same lines
+// were fetched kvh times, from L2 at best). False (the item's output rows left unwritten) when the tile
+// points outside the tables or the pool.
 template <int NV>
-bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc, int64_t gn = 1) {
+bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
   const int32_t* tile = pb.tiles + 4 * w;
   const int64_t seq = tile[0], tok0 = tile[1], mt = tile[2], keys0 = tile[3];
   const int d = NV > 0 ? NV * VL : (int)pb.d;
-  const int64_t G = pb.group, Gt = G * gn, R = mt * Gt;  // rows per token: the query heads of gn kv heads
+  const int64_t G = pb.group, Gt = G * pb.kvh, R = mt * Gt;  // rows per token: every query head
   const int64_t nkeys = keys0 + mt - 1;  // the last token's keys: every key any row reads
   if (seq < 0 || seq >= pb.num_seqs || mt < 1 || keys0 < 1 || nkeys > pb.max_blocks * pb.bs) return false;
   // Rows padded to whole vectors: the vector loops over q and acc may run past head_dim (K/V
@@ -288,12 +287,12 @@ bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc, int64_t gn =
   float* lb = grown(sc.l, R * VL);   // [R, 16] running sums of the weights, lane-wise (reduced at the end)
   float* mx = grown(sc.m, R);        // [R] reference max
 
-  // Rows r = j * Gt + h: query head g * G + h, whose kv head is g + h / G. A local copy of q reads
+  // Rows r = j * Gt + h: query head h, whose kv head is h / G. A local copy of q reads
   // a strided q (a slice of the fused qkv) once and folds the softmax scale in.
   for (int64_t j = 0; j < mt; ++j) {
     for (int64_t h = 0; h < Gt; ++h) {
       const int64_t r = j * Gt + h;
-      const float* src = pb.q + (tok0 + j) * pb.q_s0 + (g * G + h) * pb.q_s1;
+      const float* src = pb.q + (tok0 + j) * pb.q_s0 + h * pb.q_s1;
       float* dst = qb + r * dp;
       for (int c = 0; c < d; ++c) dst[c] = src[c] * pb.scale;
       for (int64_t c = d; c < dp; ++c) dst[c] = 0.f;
@@ -304,17 +303,17 @@ bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc, int64_t gn =
   }
 
   const float* ptrs[2][2][VL];  // [this chunk / next][K / V][key]
-  if (!locate(pb, seq, g, 0, nkeys, ptrs[0][0], ptrs[0][1], gn)) return false;
+  if (!locate(pb, seq, 0, 0, nkeys, ptrs[0][0], ptrs[0][1], pb.kvh)) return false;
   for (int64_t t0 = 0, cur = 0; t0 < nkeys; t0 += VL, cur ^= 1) {
     const int n = (int)std::min<int64_t>(VL, nkeys - t0);
-    if (t0 + VL < nkeys && !locate(pb, seq, g, t0 + VL, nkeys, ptrs[cur ^ 1][0], ptrs[cur ^ 1][1], gn))
+    if (t0 + VL < nkeys && !locate(pb, seq, 0, t0 + VL, nkeys, ptrs[cur ^ 1][0], ptrs[cur ^ 1][1], pb.kvh))
       return false;
     const float* const* kp = ptrs[cur][0];
     const float* const* vp = ptrs[cur][1];
     // Rows that see keys of this chunk: causally, token j of the tile sees keys0 + j keys.
     const int64_t r0 = std::max<int64_t>(0, t0 - keys0 + 1) * Gt;
     auto keys_of = [&](int64_t r) { return (int)std::min<int64_t>(n, keys0 + r / Gt - t0); };
-    auto head_of = [&](int64_t r) { return (r % Gt) / G * pb.d; };  // the row's kv head, from head g's pointers
+    auto head_of = [&](int64_t r) { return (r % Gt) / G * pb.d; };  // the row's kv head, from head 0's pointers
     // Three passes over the rows, each row independent of the others within a pass: the
     // out-of-order core overlaps rows, where one row's scores -> max -> exp -> sum chain alone
     // would leave it waiting on latencies.
@@ -343,7 +342,7 @@ bool run_item(const Problem& pb, int64_t w, int64_t g, Scratch& sc, int64_t gn =
       const int64_t r = j * Gt + h;
       const float inv = 1.f / hsum(load(lb + r * VL));
       const float* ar = acc + r * dp;
-      float* dst = pb.out + (tok0 + j) * pb.o_s0 + (g * G + h) * pb.o_s1;
+      float* dst = pb.out + (tok0 + j) * pb.o_s0 + h * pb.o_s1;
       for (int c = 0; c < d; ++c) dst[c] = ar[c] * inv;
     }
   }
@@ -496,7 +495,7 @@ bool run_all(const Problem& pb, int64_t num_tiles) {
       const Unit u = units[it];
       if (u.head >= 0) {
         if (!run_item_lanes<NV>(pb, u.tile, u.head, sc)) ok.store(false, std::memory_order_relaxed);
-      } else if (!run_item<NV>(pb, u.tile, 0, sc, pb.kvh)) {
+      } else if (!run_item<NV>(pb, u.tile, sc)) {
         ok.store(false, std::memory_order_relaxed);
       }
       it = after;

@@ -40,8 +40,8 @@ from loraplex.models.config import ModelConfig
 from .adapter_rows import _EXPONENT_MASK, ModuleSlot, RowAssignment
 from .geometry import RowLayout
 
-# (layer, module name, "lora_A" | "lora_B") -> (dtype, first byte in the data section)
-Matrices = Mapping[tuple[int, str, str], tuple[torch.dtype, int]]
+# (layer, module name, "lora_A" | "lora_B") -> (dtype, first byte in the data section, shape)
+Matrices = Mapping[tuple[int, str, str], tuple[torch.dtype, int, tuple[int, ...]]]
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: holds tensors
@@ -100,9 +100,10 @@ def header_matrices(header: Mapping[str, object]) -> Matrices | None:
             layer, module, half, _ = parse_weights_key(key)
             dtype = DTYPES[entry["dtype"]]
             begin = int(entry["data_offsets"][0])
+            shape = tuple(int(n) for n in entry["shape"])
         except (AdapterError, KeyError, TypeError, ValueError, IndexError):
             return None
-        out[(layer, module, half)] = (dtype, begin)
+        out[(layer, module, half)] = (dtype, begin, shape)
     return out
 
 
@@ -122,13 +123,11 @@ def learn_plan(adapter: LoraAdapter, matrices: Matrices, data_bytes: int) -> Pac
         for half, shape, row in (("lora_A", (s.rank, s.in_features), s.a_row),
                                  ("lora_B", (s.out_features, s.rank), s.b_row)):
             got = matrices.get((m.layer, m.module, half))
-            if got is None or got[0] != layout.dtype or got[1] % itemsize:
+            if got is None or got[0] != layout.dtype or got[1] % itemsize or got[2] != shape:
                 return None
             byte_offsets.append(got[1])
             shapes.append(shape)
             row_offsets.append(row * layout.row_width)
-        if tuple(m.a.shape) != shapes[-2] or tuple(m.b.shape) != shapes[-1]:
-            return None
         slots.append(s)
     if len(packed.modules) != len(asg.modules) or any(a is not b for a, b in zip(packed.modules, asg.modules)):
         return None  # the adapter's module order is not the packing order: a plan rebuilds only the latter
