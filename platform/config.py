@@ -38,6 +38,9 @@ class EngineConfig:
     kernels: str = "auto"  # "auto" | "torch" | "cpu" | "triton"; LORAPLEX_KERNELS sets it in from_env
     gemm: str = "auto"  # CPU float32 projections: "auto" (the first of packed, onednn, mm that runs) | "packed" | "onednn" | "mm"
     queue_policy: str = "fcfs"  # order of waiting requests: "fcfs" | "lifo" | "vtc" (fair across tenants)
+    # CPU engines: keep the host memory steps free inside the process instead of faulting it in again at
+    # every step (glibc's mmap and trim thresholds, process-wide; engine/host_memory.py)
+    retain_host_memory: bool = True
     cache_dir: Path = field(default_factory=default_cache_dir)
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from loraplex.models.loader import load_checkpoint_tensors
 from loraplex.unified_pager import PackPlans, PoolGeometry, UnifiedPager, load_packed_folder
 
 from .adapters import AdapterKey, AdapterTable
+from .host_memory import retain_freed_memory
 from .model_runner import ModelRunner, RunnerOutput
 from .output_processor import OutputProcessor
 from .queue_policy import make_queue_policy
@@ -50,6 +51,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
+        if config.retain_host_memory and device.type == "cpu":
+            retain_freed_memory()
         self.model_path: Path = resolve_model_path(config.model, config.cache_dir)
         self.model_config: ModelConfig = load_model_config(self.model_path)
         weights = load_checkpoint_tensors(self.model_path, dtype)
