@@ -74,6 +74,9 @@ class LoraplexSystem:
         self.prepare_adapter = prepare_adapter
 
     def warmup(self) -> None:
+        # Once per engine, as the server does at start-up: the largest step's memory is faulted in before
+        # the first timed run rather than inside it (EngineCore.warmup).
+        self.engine.warmup()
         vocab = self.engine.model_config.vocab_size
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         for i in range(2):

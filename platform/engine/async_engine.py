@@ -195,6 +195,9 @@ class AsyncEngine:
             if self.engine is None:
                 self.engine = EngineCore(self._config)
                 self.built_on = threading.get_ident()
+                # Before any request: the memory of the largest step is touched now, not in the first
+                # requests served (EngineCore.warmup).
+                log.info("engine warm-up took %.2f s", self.engine.warmup())
         except BaseException as e:
             self.error = e
             return
