@@ -1,4 +1,5 @@
-"""Paged attention on the CPU through the C++ kernel (cpu_attention.cpp): K/V read in place.
+"""Paged attention on the CPU through the C++ kernel (cpu_attention.cpp): K/V read in place, and the
+new tokens' K/V written into their slots.
 
 Same signature and semantics as torch_attention.paged_attention, which stays the fallback: for
 tensors off the CPU or not float32, and where the extension cannot be built (cpu_build).
@@ -68,6 +69,27 @@ def _usable(q: torch.Tensor, kv_pool: torch.Tensor) -> ModuleType | None:
     if not kv_pool.is_contiguous():
         return None
     return extension()
+
+
+def write_kv(
+    kv_pool: torch.Tensor,  # [num_pages, 2, block_size, kv_heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    meta: AttentionMetadata,
+    layer: int,
+) -> None:
+    """Store this step's new K/V of every token in its block's page for this layer (torch_attention.write_kv's
+    contract): one C++ call for K and V, the torch path where the kernel does not apply."""
+    ext = _usable(k, kv_pool)
+    if (ext is None or v.dtype != torch.float32 or k.stride(2) != 1 or k.stride(1) != k.shape[2]
+            or v.stride(2) != 1 or v.stride(1) != v.shape[2]):
+        torch_attention.write_kv(kv_pool, k, v, meta, layer)
+        return
+    slots = meta.plan_cache.get("cpu_write_kv")
+    if slots is None:  # once per step: every layer writes to the same rows of its own pages
+        slots = meta.plan_cache["cpu_write_kv"] = (meta.slot_pages.to(torch.int64).contiguous().unbind(0),
+                                                   meta.slot_offsets.to(torch.int64).contiguous())
+    ext.write_kv(kv_pool, k, v, slots[0][layer], slots[1])
 
 
 def paged_attention(

@@ -48,7 +48,7 @@ TORCH_OPS = KernelOps(
 # shrink and expand halves are only called by tests and the Triton path's own fused calls).
 CPU_OPS = KernelOps(
     name="cpu",
-    write_kv=torch_attention.write_kv,
+    write_kv=cpu_attention.write_kv,
     paged_attention=cpu_attention.paged_attention,
     lora_shrink=torch_sgmv.lora_shrink,
     lora_expand=torch_sgmv.lora_expand,

@@ -169,3 +169,31 @@ def test_page_outside_the_pool_is_refused(ext):
     with pytest.raises(RuntimeError, match="outside"):
         ext.paged_attention(torch.empty_like(case.q), case.q, case.kv_pool, tables,
                             cpu_attention.kernel_tiles(case.meta, 1), case.scale)
+
+
+@FAST
+@given(spec=attention_specs())
+def test_write_kv_matches_the_torch_path(ext, spec):
+    """The new tokens' K and V land in the slots the torch path's index_copy_ puts them in, bit for bit, the
+    NaN-poisoned slots around them untouched; v is a strided slice of a fused row, as in the model."""
+    case = build_attention_case(spec, torch.float32, poison_unused=True, device=CPU)
+    expected = case.kv_pool.clone()
+    torch_attention.write_kv(expected, case.k, case.v, case.meta, spec.layer)
+    real = torch_attention.write_kv
+    try:  # the C++ kernel, not the torch fallback, must be what runs
+        torch_attention.write_kv = lambda *a: pytest.fail("cpu_attention.write_kv fell back to the torch path")
+        cpu_attention.write_kv(case.kv_pool, case.k, case.v, case.meta, spec.layer)
+    finally:
+        torch_attention.write_kv = real
+    torch.testing.assert_close(case.kv_pool, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing(ext):
+    spec = AttentionSpec(block_size=4, kv_heads=2, group=3, head_dim=16, seqs=((5, 1), (0, 6)), layer=0, seed=3)
+    case = build_attention_case(spec, torch.float32, poison_unused=True, device=CPU)
+    before = case.kv_pool.clone()
+    pages = case.meta.slot_pages[0].clone()
+    pages[-1] = case.kv_pool.shape[0]  # one past the last page
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ext.write_kv(case.kv_pool, case.k, case.v, pages, case.meta.slot_offsets)
+    torch.testing.assert_close(case.kv_pool, before, rtol=0, atol=0, equal_nan=True)
