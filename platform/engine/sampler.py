@@ -1,6 +1,6 @@
 """Turns one step's logits into one token per row: greedy, temperature, top-k, top-p, seeded.
 
-Greedy rows take one batched argmax. Non-greedy rows are filtered in vectorised groups (per-row
+Greedy rows take one batched argmax (a C++ kernel on the CPU: kernels/cpu_argmax.py). Non-greedy rows are filtered in vectorised groups (per-row
 temperature, top-k and top-p held as tensors: one topk call for all top-k rows, one sort for the
 top-p-only rows) and drawn with the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)``
 i.i.d. per token picks token ``i`` with probability ``probs[i]``. The only per-row work is drawing
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.kernels.cpu_argmax import argmax_rows
 
 _SEED_MODULUS = 2**64  # torch.Generator.manual_seed accepts [-2**63, 2**64); fold any int into it
 
@@ -53,19 +54,19 @@ class Sampler:
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         out = torch.empty(n, dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i in range(n) if greedy[i]]
         random_rows = [i for i in range(n) if not greedy[i]]
         if greedy_rows:
             g = torch.tensor(greedy_rows, device=logits.device)
-            out[g] = logits[g].argmax(dim=-1)
+            out[g] = argmax_rows(logits[g])
 
         r = torch.tensor(random_rows, device=logits.device)
         row_params = [params[i] for i in random_rows]
         probs = self._probs(logits[r].float(), row_params)  # [R, V]
         q = self._exponentials([generators[i] for i in random_rows], vocab, logits.device)  # [R, V]
-        out[r] = (probs / q).argmax(dim=-1)
+        out[r] = argmax_rows(probs / q)
         return out
 
     def _probs(
