@@ -51,11 +51,17 @@ def test_a_steps_freed_activations_are_reused_without_faults():
     plain = _faults(False, PREFILL)["faults"]
     kept = _faults(True, PREFILL)
     assert kept["set"] is True
-    # glibc by itself raises its mmap threshold to the largest block freed, but then gives the top of its
-    # heap back to the kernel once twice that lies free there, as it does at the end of every step: each
-    # step faults its pages in again. Kept, the steps after the first reuse them.
-    assert min(plain[2:]) > pages // 2, plain
-    assert max(kept["faults"][2:]) < pages // 20, kept
+    # glibc by itself serves the first step's blocks (past its 128 KiB mmap threshold) with mappings of
+    # their own and unmaps them when they are freed, so the second step faults all its pages in again.
+    # Only then does its dynamic threshold put the blocks on the heap; whether it goes on giving the top of
+    # the heap back (and faulting at every step) depends on what else lies there: on one machine it did at
+    # every step, on CI's it stopped after the third ([13859, 13758, 3072, 0, ...]). So the contrast is
+    # the second step, which glibc's rules fix. Kept, the steps after the first reuse the pages: all of
+    # them together fault in less than half a step's (one 12 MiB block found a new place once, in the
+    # second or third step, in some runs here: [13792, 3072, 0, ...]), and none from the fourth on.
+    assert plain[1] > pages // 2, plain
+    assert sum(kept["faults"][1:]) < pages // 2, kept
+    assert max(kept["faults"][3:]) < pages // 20, kept
 
 
 def test_blocks_past_the_threshold_still_get_mappings_of_their_own():
