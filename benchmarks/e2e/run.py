@@ -9,7 +9,9 @@ One run: the roofline, then offline and online runs of (a) loraplex with the tra
 transformers + PEFT (static batches, mixed adapter_names), (c) transformers base model (the better of
 static batches and its continuous batching), (d) loraplex without adapters, on the same requests; greedy
 outputs compared before times; decode at batch 64 against the compute ceiling; the adapter-scaling sweep.
-Writes JSON (--out) and a PNG of the scaling curve beside it, and prints a table.
+Writes JSON (--out) and a PNG of the scaling curve beside it, and prints a table. The JSON is rewritten
+after each part (offline, online, decode, scaling) with "complete": false and the parts done so far, so a
+run stopped midway keeps what it measured; the last write sets "complete": true.
 """
 
 from __future__ import annotations
@@ -105,6 +107,20 @@ def load_hf(path: Path, dtype: torch.dtype, device: torch.device, adapters: dict
     for n in names[1:]:
         peft.load_adapter(adapters[n], adapter_name=n)
     return base, peft.eval()
+
+
+def write_result(result: dict, checks: list, out: Path, t_start: float, parts: list[str], complete: bool) -> None:
+    """The JSON as it stands: written after each part, so that a run stopped later (the full run takes hours)
+    keeps what it measured. `complete` is false until the last part is done; written to a temporary file
+    and renamed over `out`, so a stop during the write leaves the previous version whole."""
+    result["parts_done"] = list(parts)
+    result["complete"] = complete
+    result["targets"] = [c.as_dict() for c in checks]
+    result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(out)
 
 
 def print_mode(r: ModeResult) -> None:
@@ -206,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     loss = floor_loss(mean_wall(offline.runs, "loraplex"), mean_wall(offline.runs, "loraplex-no-adapters"), requests,
                       cfg, ceilings, dtype.itemsize)
     checks = offline_checks(offline.metrics, offline.base_choice, loss, matmul_floor_s(requests, cfg, ceilings))
+    parts = ["offline"]
+    write_result(result, checks, out, t_start, parts, complete=False)
     if "online" not in args.skip:
         rate = p.online_load * offline.metrics["loraplex"].throughput_rps
         log(f"online: {rate:.3f} req/s ({p.online_load} x loraplex's offline rate), TTFT target "
@@ -215,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["online"] = {"rate_rps": rate, **online.as_dict()}
         print_mode(online)
         checks += online_checks(online.metrics)
+        parts.append("online")
+        write_result(result, checks, out, t_start, parts, complete=False)
     del hf_base, hf_peft, systems
     if "decode" not in args.skip:
         log(f"decode at batch {p.decode_batch}...")
@@ -225,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
                                matmul_n=n)]
         result["decode"] = [s.as_dict() for s in shares]
         checks += decode_checks(shares[:1])  # the target is on the decode step itself (no adapters)
+        parts.append("decode")
+        write_result(result, checks, out, t_start, parts, complete=False)
         for s in shares:
             print(f"\ndecode B={s.batch} ctx={s.context} adapters {s.adapters}: {s.step_s * 1e3:.1f} ms/step, "
                   f"{s.tokens_per_s:.0f} tok/s, {s.achieved_gflops:.0f} GFLOP/s = "
@@ -247,11 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
         plot_scaling(points, png, f"loraplex adapter scaling ({preset_name}, {device.type}, {dtype_name}; host "
                                   f"cache {p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB)")
         result["scaling"]["plot"] = str(png)
-    result["targets"] = [c.as_dict() for c in checks]
+        parts.append("scaling")
     print_checks(checks)
-    result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(result, checks, out, t_start, parts, complete=True)
     print(f"\nroofline: read {ceilings.read_gbps:.1f} GB/s, copy {ceilings.copy_gbps:.1f} GB/s, matmul "
           f"{ceilings.matmul_gflops:.0f} GFLOP/s ({ceilings.dtype}, {ceilings.threads} threads; by backend: "
           f"{', '.join(f'{k} {v:.0f}' for k, v in ceilings.matmul_by_backend.items()) or '-'}); "

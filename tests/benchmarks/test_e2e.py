@@ -165,3 +165,31 @@ def test_targets_are_checked_on_the_run_figures(result):
     assert len(decode) == 1 and decode[0]["measured"] == pytest.approx(result["decode"][0]["share_of_compute_ceiling"])
     for t in targets.values():
         assert t["met"] == (t["measured"] >= t["bound"] if t["at_least"] else t["measured"] <= t["bound"])
+
+
+def test_the_finished_run_is_written_complete(result):
+    written = json.loads(Path(result["scaling"]["plot"]).with_suffix(".json").read_text())
+    assert written["complete"] is True and written["parts_done"] == ["offline", "online", "decode", "scaling"]
+    assert written["offline"] == result["offline"] and written["targets"] == result["targets"]
+
+
+def test_a_run_stopped_midway_keeps_the_parts_it_finished(tiny_model, tmp_path, monkeypatch):
+    # The full run takes hours: a stop in its online part must not lose the offline part's figures.
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt("stopped during the online part")
+
+    monkeypatch.setattr(e2e_run, "run_online", stopped)
+    out = tmp_path / "e2e.json"
+    out.write_text('{"from": "an earlier run"}')
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            e2e_run.main(["--tiny", "--model", str(tiny_model), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+                          "--skip", "decode", "scaling", "cb", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    written = json.loads(out.read_text())
+    assert written["complete"] is False and written["parts_done"] == ["offline"]
+    assert {"loraplex", "peft-static", "loraplex-no-adapters"} <= set(written["offline"]["metrics"])
+    assert any(t["name"].startswith("offline output tok/s") for t in written["targets"])
+    assert "online" not in written and not out.with_name(out.name + ".tmp").exists()
