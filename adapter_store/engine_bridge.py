@@ -67,6 +67,12 @@ class EngineAdapterBridge:
             if current is not None:
                 self._by_version.pop(current.version, None)
             self._by_version[ref.id] = name
+        if ref.id not in self.store.cache:
+            # Evicted between its load and now (a burst of prefetches larger than the cache), or too large
+            # to keep: its eviction was heard before the engine held it, so queue it again. The next sync()
+            # drops the engine's copy; the request about to be added keeps it until it finishes. Without
+            # this the engine would hold it, outside the host-cache budget, until a later load evicted it.
+            self._on_evict(ref.id)
         return name
 
     def prepare_by_name(self, tenant_id: str, name: str) -> str:

@@ -124,3 +124,48 @@ def test_deleted_adapters_leave_the_engine_but_queued_requests_finish(llm, make_
     assert [o.request_id for o in finished] == [req.request_id] and len(finished[0].token_ids) == 2
     with pytest.raises(AdapterNotFoundError):
         store.resolve(tenant, "doomed")
+
+
+def test_adapters_evicted_before_their_install_leave_the_engine_after_their_requests(
+        llm, make_store, tiny_config, tmp_path):
+    # The server's path: every request's adapter is prefetched on arrival and installed later, on the engine
+    # thread. A burst of more adapters than the host cache holds evicts the first ones before they are
+    # installed; the engine must not keep those copies outside the cache's budget once their requests end.
+    store = make_store()
+    tenant = new_tenant(store)
+    refs = [store.upload_path(tenant, f"p{i}", write_peft_adapter(tmp_path / f"p{i}", tiny_config, r=2))
+            for i in range(5)]
+    size = store.get(refs[0]).nbytes
+    store.cache.invalidate(refs[0].id)
+    store.cache.budget_bytes = 2 * size  # holds two
+    bridge = EngineAdapterBridge(llm.engine, store)
+    decoded = [f.result() for f in [bridge.prefetch(r) for r in refs]]
+    assert [r.id in store.cache for r in refs] == [False, False, False, True, True]
+    from loraplex.engine import SamplingParams
+
+    prompts = random_prompts(5, tiny_config.vocab_size)
+    reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=3), bridge.install(r, a))
+            for p, r, a in zip(prompts, refs, decoded, strict=True)]
+    bridge.sync()
+    held = {n for n in llm.engine.adapters.names() if n.startswith(tenant)}
+    assert held == {engine_adapter_name(r) for r in refs[-2:]}
+    finished = []
+    while llm.engine.has_unfinished():
+        finished += [o for o in llm.engine.step() if o.finished]
+    assert sorted(o.request_id for o in finished) == sorted(r.request_id for r in reqs)
+    assert all(len(o.token_ids) == 3 for o in finished)  # the dropped copies still served their requests
+    # Their host copies are gone from the engine: only the cached two are held, in the table and the pool.
+    versions = {k.version for k in llm.engine.adapters._host}
+    assert not versions & {r.id for r in refs[:3]}
+    # An adapter too large for the cache is served, then dropped the same way.
+    store.cache.budget_bytes = size // 2
+    big = store.upload_path(tenant, "big", write_peft_adapter(tmp_path / "big", tiny_config, r=2))
+    name = bridge.install(big, bridge.prefetch(big).result())
+    req = llm.engine.add_request(prompts[0], SamplingParams(max_tokens=2), name)
+    bridge.sync()
+    assert name not in llm.engine.adapters.names()
+    out = []
+    while llm.engine.has_unfinished():
+        out += [o for o in llm.engine.step() if o.finished]
+    assert [o.request_id for o in out] == [req.request_id] and len(out[0].token_ids) == 2
+    assert big.id not in {k.version for k in llm.engine.adapters._host}
