@@ -5,8 +5,10 @@ lengths are identical (the trace generator draws them before the adapter picks);
 request names changes (power-law popularity). Adapters reach the engine the way the server feeds them:
 adapter folder -> host cache (byte-budgeted LRU, adapter_store.HostCache) -> EngineAdapterBridge -> engine
 -> page pool (evicting idle adapters, LRU). The host-cache budget and the pool size are stated in the
-result so that "more adapters than fit" shows; adapter loads run on the engine thread as each request is
-added (the server overlaps them with queueing instead), so their cost is inside the measured time.
+result so that "more adapters than fit" shows. As in the server, each request's adapter load starts when the
+request arrives, on the host cache's prefetch thread, and the request joins the engine when it is decoded
+(systems.AdapterFeed); loads overlap the steps of requests already running but share the CPU with them, so
+their cost stays inside the measured time.
 
 With repeats > 1 the sweep runs again in mirrored order (1, 10, 100, 1000, 1000, 100, 10, 1, ...): a
 CPU whose speed drifts over minutes (the AMD dev machine's matmul rate moved between 40 and 60 GFLOP/s)
@@ -45,7 +47,7 @@ import traces as T
 
 from .ceiling import Ceilings
 from .metrics import summarize
-from .systems import LoraplexSystem, RunResult
+from .systems import AdapterFeed, LoraplexSystem, RunResult
 from .workload import BenchRequest, adapter_elements, adapter_rank, all_at_once, ensure_adapters, requests_from_trace, \
     used_adapters
 
@@ -128,7 +130,9 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
     engine = EngineCore(engine_config)  # fresh: nothing resident from another N
     store = FolderStore(engine, folders, host_cache_bytes)
     bridge = EngineAdapterBridge(engine, store)
-    system = LoraplexSystem("loraplex", engine, True, lambda name: bridge.prepare(store.refs[name]))
+    feed = AdapterFeed(prefetch=lambda name: bridge.prefetch(store.refs[name]),
+                       install=lambda name, decoded: bridge.install(store.refs[name], decoded))
+    system = LoraplexSystem("loraplex", engine, True, feed)
     system.warmup()
     run = system.serve(requests)
     m = summarize(run)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,17 +62,27 @@ def _sleep_until(t0: float, at_s: float) -> None:
 
 # -- loraplex -----------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class AdapterFeed:
+    """Adapters fed as the server feeds them (loraplex.api.serving): each request's adapter load starts as the
+    request arrives, off the engine thread (the host cache's prefetch), and the request joins the engine once
+    its adapter is decoded; the engine thread only installs it (EngineAdapterBridge.install). Requests whose
+    adapter is still loading wait outside the engine while it steps the others."""
+
+    prefetch: Callable[[str], Future]  # adapter name -> future of the decoded adapter (any thread)
+    install: Callable[[str, object], str]  # (adapter name, decoded adapter) -> engine name; the engine thread
+
+
 class LoraplexSystem:
     """The engine driven as the async engine's thread drives it: add what has arrived, then one step."""
 
     def __init__(self, name: str, engine: EngineCore, use_adapters: bool = True,
-                 prepare_adapter: Callable[[str], str] | None = None):
+                 adapter_feed: AdapterFeed | None = None):
         self.name = name
         self.engine = engine
         self.use_adapters = use_adapters
-        # Maps a request's adapter name to the engine's name, doing whatever loading that takes (the
-        # scaling run passes the host-cache bridge here); None: adapters are already loaded under their names.
-        self.prepare_adapter = prepare_adapter
+        # None: adapters are already loaded in the engine under the names the requests give.
+        self.adapter_feed = adapter_feed
 
     def warmup(self) -> None:
         # Once per engine, as the server does at start-up: the largest step's memory is faulted in before
@@ -85,26 +96,45 @@ class LoraplexSystem:
             self.engine.step()
 
     def serve(self, requests: Sequence[BenchRequest]) -> RunResult:
-        eng = self.engine
+        eng, feed = self.engine, self.adapter_feed
         pending = sorted(requests, key=lambda r: r.arrival_s)
         recs = {r.id: RequestRecord(r.id, r.arrival_s, r.output_tokens) for r in requests}
         adapter_of: dict[str, str | None] = {}
         steps_adapters: list[tuple[str, ...]] = []  # distinct adapters that produced tokens, per step
+        loading: list[tuple[BenchRequest, Future]] = []  # arrived, adapter loading (arrival order)
+
+        def add(r: BenchRequest, adapter: str | None) -> None:
+            adapter_of[r.id] = adapter
+            eng.add_request(list(r.prompt), SamplingParams(max_tokens=r.output_tokens, temperature=0.0,
+                                                           ignore_eos=True), adapter=adapter, request_id=r.id)
+
         i = 0
         t0 = time.perf_counter()
-        while i < len(pending) or eng.has_unfinished():
+        while i < len(pending) or loading or eng.has_unfinished():
             now = time.perf_counter() - t0
             while i < len(pending) and pending[i].arrival_s <= now:
                 r = pending[i]
                 i += 1
                 adapter = r.adapter if self.use_adapters else None
-                if adapter is not None and self.prepare_adapter is not None:
-                    adapter = self.prepare_adapter(adapter)
-                adapter_of[r.id] = adapter
-                eng.add_request(list(r.prompt), SamplingParams(max_tokens=r.output_tokens, temperature=0.0,
-                                                               ignore_eos=True), adapter=adapter, request_id=r.id)
+                if adapter is not None and feed is not None:
+                    loading.append((r, feed.prefetch(adapter)))
+                else:
+                    add(r, adapter)
+            if loading:
+                waiting = []
+                for r, fut in loading:
+                    if fut.done():
+                        add(r, feed.install(r.adapter, fut.result()))  # a failed load raises here
+                    else:
+                        waiting.append((r, fut))
+                loading = waiting
             if not eng.has_unfinished():
-                _sleep_until(t0, pending[i].arrival_s)
+                if loading:  # nothing to step until a load (or the next arrival) comes
+                    timeout = pending[i].arrival_s - (time.perf_counter() - t0) if i < len(pending) else None
+                    wait([f for _, f in loading], timeout=None if timeout is None else max(0.0, timeout),
+                         return_when=FIRST_COMPLETED)
+                elif i < len(pending):
+                    _sleep_until(t0, pending[i].arrival_s)
                 continue
             outs = eng.step()
             now = time.perf_counter() - t0

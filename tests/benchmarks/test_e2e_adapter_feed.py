@@ -1,0 +1,105 @@
+"""LoraplexSystem fed as the server feeds adapters (systems.AdapterFeed): loads run off the engine thread,
+requests wait outside the engine until their adapter is decoded, and nothing is lost or changed by it."""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from e2e.systems import AdapterFeed, LoraplexSystem  # noqa: E402
+from e2e.workload import BenchRequest, write_random_adapter  # noqa: E402
+from factories import make_tiny_model  # noqa: E402
+from loraplex.config import EngineConfig  # noqa: E402
+from loraplex.engine import EngineCore  # noqa: E402
+from loraplex.models.config import load_model_config  # noqa: E402
+from loraplex.unified_pager import load_packed_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("feed-llama"), "llama", seed=5)
+    cfg = load_model_config(model)
+    root = tmp_path_factory.mktemp("feed-adapters")
+    folders = {f"a{i}": write_random_adapter(root / f"a{i}", cfg, 4 + 4 * (i % 2), seed=i) for i in range(4)}
+    return model, folders
+
+
+def _engine(model: Path) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(model), dtype="float32", device="cpu", pool_bytes=8 << 20,
+                                   max_lora_rank=16, kernels="torch"))
+
+
+def _requests(vocab: int, arrivals: list[float]) -> list[BenchRequest]:
+    rng = random.Random()  # fresh prompts each run: the check is that both ways agree
+    names = ["a0", "a1", "a2", "a3", None]
+    return [BenchRequest(f"r{i}", t, tuple(rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))),
+                         names[i % len(names)], rng.randint(1, 5), 1.0) for i, t in enumerate(arrivals)]
+
+
+class SlowFeed:
+    """Loads each adapter folder on a worker thread after a delay, counting which thread installs."""
+
+    def __init__(self, engine: EngineCore, folders: dict[str, Path], delay_s: float, fail: str | None = None):
+        self.engine, self.folders, self.delay_s, self.fail = engine, folders, delay_s, fail
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.install_threads: set[int] = set()
+        self.load_threads: set[int] = set()
+
+    def prefetch(self, name: str) -> Future:
+        def load():
+            self.load_threads.add(threading.get_ident())
+            time.sleep(self.delay_s)
+            if name == self.fail:
+                raise OSError(f"cannot read adapter {name}")
+            e = self.engine
+            return load_packed_folder(name, self.folders[name], e.model_config, e.config.max_lora_rank,
+                                      e.pager.geometry.row_layout)
+        return self.pool.submit(load)
+
+    def install(self, name: str, decoded) -> str:
+        self.install_threads.add(threading.get_ident())
+        self.engine.add_adapter(f"fed/{name}", decoded)
+        return f"fed/{name}"
+
+    def feed(self) -> AdapterFeed:
+        return AdapterFeed(self.prefetch, self.install)
+
+
+@pytest.mark.parametrize("arrivals", [[0.0] * 10, [0.0, 0.0, 0.05, 0.05, 0.1, 0.3, 0.3, 0.31, 0.5, 0.6]])
+def test_fed_adapters_serve_every_request_as_preloaded_ones(setup, arrivals):
+    model, folders = setup
+    preloaded = _engine(model)
+    for name, path in folders.items():
+        preloaded.load_adapter(name, path)
+    fed_engine = _engine(model)
+    slow = SlowFeed(fed_engine, folders, delay_s=0.05)
+    reqs = _requests(preloaded.model_config.vocab_size, arrivals)
+    want = LoraplexSystem("preloaded", preloaded).serve(reqs)
+    got = LoraplexSystem("fed", fed_engine, adapter_feed=slow.feed()).serve(reqs)
+    assert [r.token_ids for r in got.records] == [r.token_ids for r in want.records]
+    assert all(len(r.token_ids) == q.output_tokens == len(r.token_times) for r, q in zip(got.records, reqs))
+    # Loads ran on the feed's thread, installs on the serving (engine) thread; a request's first token comes
+    # after its adapter's load delay.
+    assert slow.load_threads and threading.get_ident() not in slow.load_threads
+    assert slow.install_threads == {threading.get_ident()}
+    for r, q in zip(got.records, reqs):
+        if q.adapter is not None:
+            assert r.token_times[0] >= q.arrival_s + slow.delay_s
+    # Steps name the engine's adapter names of the requests that produced tokens in them.
+    assert {a for step in got.extra["steps_adapters"] for a in step} == {f"fed/{n}" for n in folders}
+
+
+def test_a_failed_load_reaches_the_caller(setup):
+    model, folders = setup
+    engine = _engine(model)
+    slow = SlowFeed(engine, folders, delay_s=0.01, fail="a2")
+    reqs = _requests(engine.model_config.vocab_size, [0.0] * 5)
+    with pytest.raises(OSError, match="cannot read adapter a2"):
+        LoraplexSystem("fed", engine, adapter_feed=slow.feed()).serve(reqs)
