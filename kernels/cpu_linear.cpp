@@ -45,10 +45,14 @@ inline void store(float* p, vec v) { *reinterpret_cast<vec_u*>(p) = v; }
 
 // One block of R rows x one panel: R x NR outputs, every k once. R is a compile-time constant so that
 // the 2R accumulators live in registers. next: the panel after this one, or null. The first block of a
-// panel pulls it in from memory; it also prefetches the next panel into L2, so that while the later
-// blocks compute on this one, the next one is already on its way (the hardware prefetchers stop at
-// every 4 KB page; a panel is 18 pages at K = 576). Without it the LM head, 113 MB read once per
-// step, ran at 144 GFLOP/s at 64 rows against oneDNN's 179.
+// panel pulls it in from memory; the blocks also prefetch the next panel into L2, so that while they
+// compute on this one, the next one is already on its way (the hardware prefetchers stop at every 4 KB
+// page; a panel is 18 pages at K = 576). Without it the LM head, 113 MB read once per step, ran at 144
+// GFLOP/s at 64 rows against oneDNN's 179. The prefetches are spread over all the panel's blocks (block
+// b of nb prefetches the next panel's rows k = b, b + nb, ...): issued by the first block alone, a burst
+// of 72 KB asked for within one block's time, above one core's share of the bandwidth, the next panel
+// was still arriving when its blocks began (all layers' projections at 24-64 rows, weights streaming from
+// memory, Intel Xeon: 7-8% faster spread; RESULTS.md, fourteenth session).
 // LoRA epilogue of a block (linear_lora): acc += s @ B^T[:, the panel's columns], s [R, rank] (row
 // stride ss, scale applied), bcol[k] the panel's NR columns of B^T's row k. rank 0: none.
 struct Epilogue {
@@ -60,15 +64,18 @@ struct Epilogue {
 
 template <int R>
 void block(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t K, float* __restrict y,
-           int64_t ys, int ncols, const float* __restrict bias, const float* next, const Epilogue& lora) {
+           int64_t ys, int ncols, const float* __restrict bias, const float* next, int pf_phase, int pf_stride,
+           const Epilogue& lora) {
   vec a0[R], a1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = vec{};
+  int pf = pf_phase == 0 ? 0 : pf_stride - pf_phase;  // iterations until this block's next prefetch
   for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr) {
+    if (next != nullptr && pf == 0) {
       __builtin_prefetch(next + k * NR, 0, 2);
       __builtin_prefetch(next + k * NR + 16, 0, 2);
     }
+    pf = pf + 1 == pf_stride ? 0 : pf + 1;
     const vec w0 = load(w + k * NR), w1 = load(w + k * NR + V);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -106,7 +113,7 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
 }
 
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int, const float*,
-                         const float*, const Epilogue&);
+                         const float*, int, int, const Epilogue&);
 
 template <int... Rs>
 constexpr std::array<BlockFn, sizeof...(Rs)> block_table(std::integer_sequence<int, Rs...>) {
@@ -123,7 +130,8 @@ void rows_by_panel(const float* x, int64_t xs, int64_t m0, int64_t m, const floa
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t rows = base + (b < extra ? 1 : 0);
     const Epilogue e{lora.s == nullptr ? nullptr : lora.s + (r0 - m0) * lora.ss, lora.ss, lora.bcol, lora.rank};
-    BLOCKS[rows - 1](x + r0 * xs, xs, w, K, y + r0 * ys, ys, ncols, bias, b == 0 ? next : nullptr, e);
+    BLOCKS[rows - 1](x + r0 * xs, xs, w, K, y + r0 * ys, ys, ncols, bias, next, static_cast<int>(b),
+                     static_cast<int>(nb), e);
     r0 += rows;
   }
 }
