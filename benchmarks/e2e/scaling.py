@@ -104,7 +104,7 @@ class ScalingPoint:
     throughput_tok_s: float
     wall_s: float  # mean over the repeats
     relative_throughput: float  # against the 1-adapter run
-    host_cache: dict  # HostCache stats: hits, misses, evictions, loads, load_seconds, budget_bytes
+    host_cache: dict  # HostCache stats: hits, joined (waited on a load in flight), misses, evictions, loads, ...
     pool_loads: int
     pool_evictions: int
     pool_pages: int
@@ -178,8 +178,9 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
         log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
         _, point = run_one(engine_config, reqs, folders, host_cache_bytes)
         point = dataclasses.replace(point, adapters=n)
-        log(f"    {point.wall_s:.1f} s, host cache {point.host_cache['hits']} hits / {point.host_cache['misses']} "
-            f"misses / {point.host_cache['evictions']} evictions, pool {point.pool_loads} loads / "
+        hc = point.host_cache
+        log(f"    {point.wall_s:.1f} s, host cache {hc['hits']} hits / {hc['joined']} joined / {hc['misses']} "
+            f"misses / {hc['evictions']} evictions, pool {point.pool_loads} loads / "
             f"{point.pool_evictions} evictions")
         runs[n].append(point)
     return with_predictions([_median_point(runs[n]) for n in counts], ceilings)
