@@ -256,13 +256,15 @@ def main(argv: list[str] | None = None) -> dict:
     del engine
     if "scaling" not in args.skip:
         log(f"scaling: {p.scaling_counts} adapters x {p.scaling_repeats}, {p.scaling_requests} requests, host cache "
-            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB...")
+            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB, loads on the "
+            f"{'prefetch' if args.gpu else 'engine'} thread...")
         spec = trace_spec(p, args.seed, 1, p.scaling_requests)
         points = run_scaling(dataclasses.replace(econf, pool_bytes=int(p.scaling_pool_mib * MiB)), spec,
                              p.scaling_counts, p.scaling_requests, work / "adapters", ceilings,
-                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats)
+                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats, prefetch_loads=args.gpu)
         result["scaling"] = {"host_cache_bytes": int(p.host_cache_mib * MiB),
                              "pool_bytes": int(p.scaling_pool_mib * MiB),
+                             "adapter_loads": "prefetch thread" if args.gpu else "engine thread",
                              "points": [pt.as_dict() for pt in points]}
         print_scaling(points)
         checks += scaling_checks(points)

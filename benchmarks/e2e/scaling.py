@@ -5,10 +5,14 @@ lengths are identical (the trace generator draws them before the adapter picks);
 request names changes (power-law popularity). Adapters reach the engine the way the server feeds them:
 adapter folder -> host cache (byte-budgeted LRU, adapter_store.HostCache) -> EngineAdapterBridge -> engine
 -> page pool (evicting idle adapters, LRU). The host-cache budget and the pool size are stated in the
-result so that "more adapters than fit" shows. As in the server, each request's adapter load starts when the
-request arrives, on the host cache's prefetch thread, and the request joins the engine when it is decoded
-(systems.AdapterFeed); loads overlap the steps of requests already running but share the CPU with them, so
-their cost stays inside the measured time.
+result so that "more adapters than fit" shows. Loads are fed through systems.AdapterFeed in one of two ways:
+on the engine thread as each request arrives (the default on the CPU), or as the server feeds them
+(prefetch_loads, the default on a GPU): started on the host cache's prefetch thread when the request arrives,
+the request joining the engine once its adapter is decoded. On a 2-core CPU the engine's two threads and the
+prefetch thread then share the cores, and the offline burst ran slower that way (Intel Xeon, fourteenth
+session, 6 runs each alternating in one process, median walls: 100 adapters 5.49 s on the engine thread
+against 5.86 prefetched, 1000 adapters 5.78 against 6.11): a load on the engine thread copies with both
+cores and stalls no parallel region. Either way the loads' cost is inside the measured time.
 
 With repeats > 1 the sweep runs again in mirrored order (1, 10, 100, 1000, 1000, 100, 10, 1, ...): a
 CPU whose speed drifts over minutes (the AMD dev machine's matmul rate moved between 40 and 60 GFLOP/s)
@@ -30,6 +34,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -125,13 +130,21 @@ def _adapter_bytes(engine: EngineCore, name: str) -> int:
     return adapter_elements(engine.model_config, adapter_rank(name)) * engine.config.torch_dtype.itemsize
 
 
+def _loaded(adapter: LoraAdapter) -> Future:
+    done: Future = Future()
+    done.set_result(adapter)
+    return done
+
+
 def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folders: dict[str, Path],
-            host_cache_bytes: int) -> tuple[RunResult, ScalingPoint]:
+            host_cache_bytes: int, prefetch_loads: bool = False) -> tuple[RunResult, ScalingPoint]:
     engine = EngineCore(engine_config)  # fresh: nothing resident from another N
     store = FolderStore(engine, folders, host_cache_bytes)
     bridge = EngineAdapterBridge(engine, store)
-    feed = AdapterFeed(prefetch=lambda name: bridge.prefetch(store.refs[name]),
-                       install=lambda name, decoded: bridge.install(store.refs[name], decoded))
+    # The feed's prefetch runs where the request arrives, on the engine thread: there store.get loads it now.
+    start = (lambda name: bridge.prefetch(store.refs[name])) if prefetch_loads else (
+        lambda name: _loaded(store.get(store.refs[name])))
+    feed = AdapterFeed(prefetch=start, install=lambda name, decoded: bridge.install(store.refs[name], decoded))
     system = LoraplexSystem("loraplex", engine, True, feed)
     system.warmup()
     run = system.serve(requests)
@@ -160,9 +173,9 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
 
 def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence[int], num_requests: int,
                 adapter_root: Path, ceilings: Ceilings, host_cache_bytes: int, seed: int = 0,
-                log=print, repeats: int = 1) -> list[ScalingPoint]:
+                log=print, repeats: int = 1, prefetch_loads: bool = False) -> list[ScalingPoint]:
     """The first `num_requests` requests of `spec`'s trace regenerated with each adapter count, the sweep
-    run `repeats` times in alternating order (see the module's docstring)."""
+    run `repeats` times in alternating order (see the module's docstring for prefetch_loads)."""
     runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
     model_cfg = None
     order = [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
@@ -176,7 +189,7 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
                                                max_len=model_cfg.max_model_len))
         folders = ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed)
         log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
-        _, point = run_one(engine_config, reqs, folders, host_cache_bytes)
+        _, point = run_one(engine_config, reqs, folders, host_cache_bytes, prefetch_loads)
         point = dataclasses.replace(point, adapters=n)
         hc = point.host_cache
         log(f"    {point.wall_s:.1f} s, host cache {hc['hits']} hits / {hc['joined']} joined / {hc['misses']} "

@@ -108,6 +108,7 @@ def test_decode_share_and_roofline(result):
 
 def test_scaling_outgrows_the_host_cache(result):
     s = result["scaling"]
+    assert s["adapter_loads"] == "engine thread"  # the CPU's default (scaling.py)
     points = s["points"]
     assert [p["adapters"] for p in points] == list(e2e_run.PRESETS["tiny"].scaling_counts)
     assert points[0]["relative_throughput"] == 1.0 and points[0]["distinct_used"] == 1

@@ -103,3 +103,42 @@ def test_a_failed_load_reaches_the_caller(setup):
     reqs = _requests(engine.model_config.vocab_size, [0.0] * 5)
     with pytest.raises(OSError, match="cannot read adapter a2"):
         LoraplexSystem("fed", engine, adapter_feed=slow.feed()).serve(reqs)
+
+
+def test_scaling_runs_serve_the_same_with_loads_on_either_thread(setup, tmp_path, monkeypatch):
+    # scaling.run_one loads on the engine thread (the CPU default) or on the host cache's prefetch thread
+    # (the server's way, the GPU default): the same requests give the same tokens either way.
+    from e2e import scaling
+    from e2e.workload import ensure_adapters
+
+    model, _ = setup
+    cfg = load_model_config(model)
+    names = [f"s{i}-r{4 * (1 + i % 2)}" for i in range(5)]
+    folders = ensure_adapters(tmp_path / "adapters", cfg, names, seed=3)
+    rng = random.Random()
+    reqs = [BenchRequest(f"q{i}", 0.0, tuple(rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(3, 10))),
+                         names[i // 2 % len(names)], rng.randint(1, 4), 1.0) for i in range(12)]
+    conf = EngineConfig(model=str(model), dtype="float32", device="cpu", pool_bytes=8 << 20, max_lora_rank=16,
+                        kernels="torch")
+    size = max(p.stat().st_size for p in (f / "adapter_model.safetensors" for f in folders.values()))
+    load_threads: list[int] = []
+    real_load = scaling.FolderStore._load
+
+    def load(self, ref):
+        load_threads.append(threading.get_ident())
+        return real_load(self, ref)
+
+    monkeypatch.setattr(scaling.FolderStore, "_load", load)
+    runs = {}
+    for mode in (False, True):
+        load_threads.clear()
+        runs[mode] = scaling.run_one(conf, reqs, folders, 3 * size, prefetch_loads=mode)
+        on_caller = {t == threading.get_ident() for t in load_threads}
+        assert on_caller == {not mode}, f"prefetch_loads={mode}: loads ran on the caller's thread: {on_caller}"
+    tokens = {mode: [r.token_ids for r in run.records] for mode, (run, _) in runs.items()}
+    assert tokens[False] == tokens[True]
+    assert all(len(t) == q.output_tokens for t, q in zip(tokens[True], reqs))
+    for _, point in runs.values():
+        hc = point.host_cache
+        assert hc["hits"] + hc["joined"] + hc["misses"] == len(reqs) and hc["misses"] >= len(names)
+        assert hc["evictions"] > 0  # the cache holds three of the five
