@@ -64,12 +64,13 @@ def _sleep_until(t0: float, at_s: float) -> None:
 
 @dataclass(frozen=True)
 class AdapterFeed:
-    """Adapters fed as the server feeds them (loraplex.api.serving): each request's adapter load starts as the
-    request arrives, off the engine thread (the host cache's prefetch), and the request joins the engine once
-    its adapter is decoded; the engine thread only installs it (EngineAdapterBridge.install). Requests whose
+    """How requests' adapters reach the engine. `prefetch` is called on the engine thread as a request arrives:
+    it either starts the load elsewhere, as the server does (loraplex.api.serving: the host cache's prefetch
+    thread), or loads right there and returns a finished future. The request joins the engine once its
+    adapter is decoded, and the engine thread installs it (EngineAdapterBridge.install); requests whose
     adapter is still loading wait outside the engine while it steps the others."""
 
-    prefetch: Callable[[str], Future]  # adapter name -> future of the decoded adapter (any thread)
+    prefetch: Callable[[str], Future]  # adapter name -> future of the decoded adapter
     install: Callable[[str, object], str]  # (adapter name, decoded adapter) -> engine name; the engine thread
 
 
