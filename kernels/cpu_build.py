@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -77,8 +78,28 @@ def _compile(stem: str) -> ModuleType:
     key = src.read_bytes() + headers + " ".join(CFLAGS).encode() + cpu_identity().encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     name = f"loraplex_{stem}_{digest}"
+    clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                               verbose=False)
+
+
+STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old outlived the process that took it
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove a build folder's lock file left by a process killed while it built (torch's cpp_extension takes
+    the lock with O_EXCL and waits, without a timeout, while it exists: a server killed during its first-start
+    build would hang every later start). Returns whether a lock was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False  # another process may be building now: wait for it as torch does
+    log.warning("removing the kernel build lock %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def cpu_identity() -> str:

@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +77,39 @@ def test_build_names_carry_the_cpu_identity(monkeypatch):
         with pytest.raises(RuntimeError):
             cpu_build._compile("cpu_pack")
     assert len(set(names)) == 2 and all(n.startswith("loraplex_cpu_pack_") for n in names)
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_the_build_runs(monkeypatch, tmp_path):
+    # torch's cpp_extension waits without a timeout while a build folder's lock file exists; a process killed
+    # during its build leaves one, and every later start would hang. An old lock is removed (with a warning),
+    # a fresh one is left to its builder.
+    from torch.utils import cpp_extension
+
+    from loraplex.kernels import cpu_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    names = []
+    real_load = cpp_extension.load
+
+    def record(name, **kw):
+        names.append(name)
+        raise RuntimeError("name only")
+
+    monkeypatch.setattr(cpp_extension, "load", record)
+    with pytest.raises(RuntimeError, match="name only"):
+        cpu_build._compile("cpu_argmax")
+    build_dir = Path(cpp_extension._get_build_directory(names[0], verbose=False))
+    assert build_dir.is_relative_to(tmp_path)
+    lock = build_dir / "lock"
+    lock.touch()
+    assert not cpu_build.clear_stale_lock(build_dir) and lock.exists()  # fresh: another process may be building
+    old = time.time() - cpu_build.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    monkeypatch.setattr(cpp_extension, "load", real_load)
+    done = {}
+    worker = threading.Thread(target=lambda: done.setdefault("mod", cpu_build._compile("cpu_argmax")), daemon=True)
+    worker.start()
+    worker.join(timeout=600)
+    assert not worker.is_alive(), "the build waited on the stale lock"
+    assert not lock.exists() and hasattr(done["mod"], "__file__")
+    assert Path(done["mod"].__file__).is_relative_to(tmp_path)
