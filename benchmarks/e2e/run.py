@@ -255,16 +255,18 @@ def main(argv: list[str] | None = None) -> dict:
                   f"(the run's opening roofline: {s.run_ceiling_gflops:.0f})")
     del engine
     if "scaling" not in args.skip:
+        # A GPU's steps leave the CPU free for loads beside them; on the CPU they share its cores (scaling.py).
+        prefetch_loads = args.gpu
+        loads = "prefetch thread" if prefetch_loads else "engine thread"
         log(f"scaling: {p.scaling_counts} adapters x {p.scaling_repeats}, {p.scaling_requests} requests, host cache "
-            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB, loads on the "
-            f"{'prefetch' if args.gpu else 'engine'} thread...")
+            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB, loads on the {loads}...")
         spec = trace_spec(p, args.seed, 1, p.scaling_requests)
         points = run_scaling(dataclasses.replace(econf, pool_bytes=int(p.scaling_pool_mib * MiB)), spec,
                              p.scaling_counts, p.scaling_requests, work / "adapters", ceilings,
-                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats, prefetch_loads=args.gpu)
+                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats, prefetch_loads)
         result["scaling"] = {"host_cache_bytes": int(p.host_cache_mib * MiB),
                              "pool_bytes": int(p.scaling_pool_mib * MiB),
-                             "adapter_loads": "prefetch thread" if args.gpu else "engine thread",
+                             "adapter_loads": loads,
                              "points": [pt.as_dict() for pt in points]}
         print_scaling(points)
         checks += scaling_checks(points)

@@ -71,14 +71,21 @@ def test_tenants_get_separate_engine_names(llm, make_store, tiny_config, tmp_pat
     assert not torch.allclose(out[0][1], out[1][1])
 
 
-def test_host_cache_evictions_drop_engine_copies(llm, make_store, tiny_config, tmp_path):
+def _five_adapters_cache_of_two(make_store, tiny_config, tmp_path):
+    """A store with five rank-2 adapters of one tenant uploaded and a host cache that holds two of them (empty
+    now): (store, tenant, refs, one adapter's bytes)."""
     store = make_store()
     tenant = new_tenant(store)
     refs = [store.upload_path(tenant, f"e{i}", write_peft_adapter(tmp_path / f"e{i}", tiny_config, r=2))
             for i in range(5)]
     size = store.get(refs[0]).nbytes
     store.cache.invalidate(refs[0].id)
-    store.cache.budget_bytes = 2 * size  # holds two
+    store.cache.budget_bytes = 2 * size
+    return store, tenant, refs, size
+
+
+def test_host_cache_evictions_drop_engine_copies(llm, make_store, tiny_config, tmp_path):
+    store, tenant, refs, _ = _five_adapters_cache_of_two(make_store, tiny_config, tmp_path)
     bridge = EngineAdapterBridge(llm.engine, store)
     names = [bridge.prepare(r) for r in refs]
     bridge.sync()
@@ -131,13 +138,7 @@ def test_adapters_evicted_before_their_install_leave_the_engine_after_their_requ
     # The server's path: every request's adapter is prefetched on arrival and installed later, on the engine
     # thread. A burst of more adapters than the host cache holds evicts the first ones before they are
     # installed; the engine must not keep those copies outside the cache's budget once their requests end.
-    store = make_store()
-    tenant = new_tenant(store)
-    refs = [store.upload_path(tenant, f"p{i}", write_peft_adapter(tmp_path / f"p{i}", tiny_config, r=2))
-            for i in range(5)]
-    size = store.get(refs[0]).nbytes
-    store.cache.invalidate(refs[0].id)
-    store.cache.budget_bytes = 2 * size  # holds two
+    store, tenant, refs, size = _five_adapters_cache_of_two(make_store, tiny_config, tmp_path)
     bridge = EngineAdapterBridge(llm.engine, store)
     # One after another: with the store's two prefetch threads, which loads finish last (and stay) would vary.
     decoded = [bridge.prefetch(r).result() for r in refs]
