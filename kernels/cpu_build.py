@@ -21,8 +21,15 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,13 @@ def load_extension(stem: str) -> ModuleType | None:
         return mod
 
 
+def build_all() -> dict[str, bool]:
+    """Build (or load from the cache) every kernel beside this file: {stem: whether it built}. For callers that
+    want the first build on a machine (minutes on 2 cores) done before a clock starts, as the tests' live
+    servers do before they wait for readiness."""
+    return {src.stem: load_extension(src.stem) is not None for src in sorted(Path(__file__).parent.glob("cpu_*.cpp"))}
+
+
 def build_error(stem: str) -> str | None:
     """Why load_extension(stem) returned None (None if it was not tried or succeeded)."""
     return _errors.get(stem)
@@ -78,9 +92,30 @@ def _compile(stem: str) -> ModuleType:
     key = src.read_bytes() + headers + " ".join(CFLAGS).encode() + cpu_identity().encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     name = f"loraplex_{stem}_{digest}"
-    clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-    return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                              verbose=False)
+    with build_guard(Path(cpp_extension._get_build_directory(name, verbose=False))):
+        return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                                  verbose=False)
+
+
+@contextmanager
+def build_guard(build_dir: Path) -> Iterator[None]:
+    """Held around one kernel's build (or load from the cache): an advisory lock (flock) on <build_dir>.flock,
+    which the operating system releases when its process dies, however it dies. Holding it, this process is
+    the only loraplex process building there, so a lock file of torch's (created with O_EXCL, waited on
+    without a timeout, never removed by a killed build) can only be a dead build's and is removed at once.
+    Where flock does not exist the age rule of clear_stale_lock stands in."""
+    if fcntl is None:
+        clear_stale_lock(build_dir)
+        yield
+        return
+    build_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{build_dir}.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # another process building this kernel: wait for it, as torch would
+        try:
+            clear_stale_lock(build_dir, max_age_s=0.0)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old outlived the process that took it
@@ -89,7 +124,7 @@ STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old outlived t
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     """Remove a build folder's lock file left by a process killed while it built (torch's cpp_extension takes
     the lock with O_EXCL and waits, without a timeout, while it exists: a server killed during its first-start
-    build would hang every later start). Returns whether a lock was removed."""
+    build would hang every later start) once it is max_age_s old. Returns whether a lock was removed."""
     lock = build_dir / "lock"
     try:
         age = time.time() - lock.stat().st_mtime

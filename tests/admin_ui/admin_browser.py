@@ -47,7 +47,9 @@ def http_sign_in(base_url: str, key: str) -> Iterator[httpx.Client]:
 def sign_in(page, base_url: str, key: str) -> None:
     """Sign in from the keyboard only: the key field has focus on arrival; Enter submits."""
     page.goto(f"{base_url}/admin/login")
-    assert page.evaluate("document.activeElement.id") == "api-key"
+    # Chromium moves focus to an autofocus field at its next rendering step, which on a loaded machine can come
+    # after goto's load event (a CI run read the focus too early); wait for it, with a bound, rather than race it.
+    page.wait_for_function("document.activeElement && document.activeElement.id === 'api-key'", timeout=10_000)
     page.keyboard.type(key)
     with page.expect_navigation():
         page.keyboard.press("Enter")

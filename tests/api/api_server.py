@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from loraplex.adapter_store.config import StoreConfig
+from loraplex.kernels import cpu_build
 from loraplex.api.app import create_app
 from loraplex.api.server import LoraplexServer
 from loraplex.api.settings import ServerConfig
@@ -71,6 +72,10 @@ class LiveServer:
 def start_server(config: ServerConfig, wait_ready: bool = True) -> LiveServer:
     import uvicorn
 
+    if config.engine.device == "cpu":
+        # The first start on a machine builds the C++ kernels (minutes on 2 cores, more beside other builds);
+        # that belongs to no test's readiness deadline below.
+        cpu_build.build_all()
     app = create_app(config)
     uv = uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level="warning", lifespan="on",
                         timeout_graceful_shutdown=2)

@@ -81,8 +81,11 @@ def test_build_names_carry_the_cpu_identity(monkeypatch):
 
 def test_a_lock_left_by_a_killed_build_is_cleared_and_the_build_runs(monkeypatch, tmp_path):
     # torch's cpp_extension waits without a timeout while a build folder's lock file exists; a process killed
-    # during its build leaves one, and every later start would hang. An old lock is removed (with a warning),
-    # a fresh one is left to its builder.
+    # during its build leaves one, and every later start would hang. Builds hold an flock, which dies with its
+    # process: while another holder has it the build waits (that holder may be building); once it is free a
+    # lock file left behind, however fresh, is a dead build's and is removed, and the real build runs.
+    import fcntl
+
     from torch.utils import cpp_extension
 
     from loraplex.kernels import cpu_build
@@ -102,14 +105,28 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_the_build_runs(monkeypatch
     assert build_dir.is_relative_to(tmp_path)
     lock = build_dir / "lock"
     lock.touch()
-    assert not cpu_build.clear_stale_lock(build_dir) and lock.exists()  # fresh: another process may be building
-    old = time.time() - cpu_build.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
     monkeypatch.setattr(cpp_extension, "load", real_load)
     done = {}
-    worker = threading.Thread(target=lambda: done.setdefault("mod", cpu_build._compile("cpu_argmax")), daemon=True)
-    worker.start()
-    worker.join(timeout=600)
-    assert not worker.is_alive(), "the build waited on the stale lock"
+    with open(f"{build_dir}.flock", "a") as other_builder:
+        fcntl.flock(other_builder, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: done.setdefault("mod", cpu_build._compile("cpu_argmax")),
+                                  daemon=True)
+        worker.start()
+        worker.join(timeout=1.0)
+        assert worker.is_alive() and lock.exists(), "the build did not wait for the live builder"
+    worker.join(timeout=600)  # closing the file released the flock, as a dying process's would be
+    assert not worker.is_alive(), "the build waited on the dead build's lock"
     assert not lock.exists() and hasattr(done["mod"], "__file__")
     assert Path(done["mod"].__file__).is_relative_to(tmp_path)
+
+
+def test_without_flock_only_an_old_lock_is_cleared(tmp_path):
+    # Where flock does not exist (Windows) a lock file's age decides: a fresh one may be a live build's.
+    from loraplex.kernels import cpu_build
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not cpu_build.clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - cpu_build.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert cpu_build.clear_stale_lock(tmp_path) and not lock.exists()
