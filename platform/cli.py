@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 from loraplex.errors import LoraplexError
@@ -84,7 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def drop_checkout_root(path: list[str], root: Path = Path(__file__).resolve().parent.parent) -> list[str]:
+    """sys.path without the checkout's root, where this file runs from one (an editable install).
+
+    Why: `python -m loraplex.cli` started in the checkout puts its root first on sys.path, and the root's
+    kernels/ folder (installed as loraplex.kernels) then hides the `kernels` distribution that transformers 5
+    imports while it loads any model or tokenizer ("cannot import name 'CUDAProperties' from 'kernels'").
+    loraplex itself is imported through its installed package mapping, never from the root. Installed from
+    a wheel, this file's grandparent is site-packages, which has no platform/cli.py, and nothing is dropped."""
+    if not (root / "platform" / "cli.py").is_file() or not (root / "kernels" / "__init__.py").is_file():
+        return path
+    return [p for p in path if Path(p or ".").resolve() != root]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    sys.path[:] = drop_checkout_root(sys.path)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -66,6 +66,18 @@ def test_upgrade_is_idempotent(empty_db_url):
     assert migrate.current_revision(empty_db_url) == migrate.head_revision()
 
 
+def test_migrating_leaves_sys_path_alone(tmp_path, monkeypatch):
+    # Alembic prepends its ini's prepend_sys_path to sys.path; ours had ".", so a server started in the checkout
+    # put the checkout's root first, where kernels/ hid the `kernels` distribution that transformers 5 imports
+    # while loading a model (the engine then failed to start).
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    migrate.upgrade(f"sqlite:///{tmp_path / 'registry.db'}")
+    assert sys.path == before
+
+
 def test_every_revision_has_an_upgrade_and_a_downgrade():
     names = [m.name for m in pkgutil.iter_modules(versions.__path__)]
     assert names, "no revisions found"

@@ -61,3 +61,35 @@ def test_server_config_from_env_and_flags(tmp_path: Path):
         ServerConfig.from_env(environ={"LORAPLEX_PORT": "eighty"})
     with pytest.raises(ConfigError, match="unknown server setting"):
         ServerConfig.from_env({"prot": 1}, environ={})
+
+
+def test_the_checkout_root_leaves_sys_path(tmp_path: Path, monkeypatch):
+    # `python -m loraplex.cli` in the checkout puts its root on sys.path (as "" or the full path), where kernels/
+    # hides the `kernels` distribution transformers imports. Only that root goes; a root without the checkout's
+    # layout (site-packages, for a wheel) is left alone.
+    from loraplex import cli
+
+    root = Path(cli.__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    path = ["", str(root), str(root / "benchmarks"), "/usr/lib/python3.11"]
+    assert cli.drop_checkout_root(path) == [str(root / "benchmarks"), "/usr/lib/python3.11"]
+    monkeypatch.chdir(tmp_path)
+    assert cli.drop_checkout_root(["", str(tmp_path)], root=tmp_path) == ["", str(tmp_path)]
+
+
+def test_the_kernels_distribution_is_found_after_the_drop(tmp_path: Path):
+    # Started in the checkout (`python -c`, as `python -m`, puts the working folder first on sys.path), `kernels`
+    # is first the checkout's folder; after the drop it is the distribution transformers 5 imports, and
+    # loraplex.kernels still comes from the checkout.
+    from loraplex import cli
+
+    root = Path(cli.__file__).resolve().parent.parent
+    probe = ("import importlib.util, sys; from loraplex import cli; "
+             "print(importlib.util.find_spec('kernels').origin); "
+             "sys.path[:] = cli.drop_checkout_root(sys.path); "
+             "import kernels, loraplex.kernels; print(kernels.__file__); print(loraplex.kernels.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after, ours = out.stdout.split()
+    assert Path(before) == root / "kernels" / "__init__.py"  # the shadow this guards against
+    assert "site-packages" in after and Path(ours) == root / "kernels" / "__init__.py"
