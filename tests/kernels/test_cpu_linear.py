@@ -130,6 +130,15 @@ def test_rows_across_x_chunks(m):
     _check_linear(m, 1536, 65, True, "column_slice", _fresh_seed())
 
 
+@pytest.mark.parametrize("k", [1537, 2048, 2100, 4096])
+def test_k_past_the_default_models(k, nr):
+    # Larger models' K (Qwen2.5-0.5B's MLP is 4864 wide): a chunk of x is then a block or two of rows (24 rows
+    # at K = 4096, 60 at 2048), so these row counts cross several chunks on every panel.
+    for m in [1, 12, 13, 64, 257]:
+        for n in [3, nr, nr + 1]:
+            _check_linear(m, k, n, (m + n) % 2 == 1, "column_slice" if m % 2 else "contiguous", _fresh_seed())
+
+
 @pytest.mark.parametrize("x_layout", X_LAYOUTS)
 def test_x_strides(x_layout):
     for m, k, n in [(1, 577, 47), (12, 33, 65), (13, 1536, 96), (64, 5, 3)]:

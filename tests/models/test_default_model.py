@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +25,9 @@ CONVERT = "import sys; from pathlib import Path; from loraplex.models.default_mo
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 def _converter(cache: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CONVERT, str(cache)], env=ENV, text=True,
+    # Not in the checkout: `python -c` puts its working folder first on sys.path, and there the checkout's
+    # kernels/ would hide the `kernels` distribution that transformers 5 imports while it converts.
+    return subprocess.Popen([sys.executable, "-c", CONVERT, str(cache)], env=ENV, text=True, cwd=tempfile.gettempdir(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
