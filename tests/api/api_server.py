@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 from loraplex.adapter_store.config import StoreConfig
-from loraplex.kernels import cpu_build
 from loraplex.api.app import create_app
 from loraplex.api.server import LoraplexServer
 from loraplex.api.settings import ServerConfig
 from loraplex.api.state import ServerState
 from loraplex.config import EngineConfig
+from loraplex.kernels import cpu_build
 
 OPERATOR_KEY = "lpx_test-operator-key-0123456789"
 
