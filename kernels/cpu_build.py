@@ -109,13 +109,10 @@ def build_guard(build_dir: Path) -> Iterator[None]:
         yield
         return
     build_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{build_dir}.flock", "a") as guard:
+    with open(f"{build_dir}.flock", "a") as guard:  # closing it releases the flock
         fcntl.flock(guard, fcntl.LOCK_EX)  # another process building this kernel: wait for it, as torch would
-        try:
-            clear_stale_lock(build_dir, max_age_s=0.0)
-            yield
-        finally:
-            fcntl.flock(guard, fcntl.LOCK_UN)
+        clear_stale_lock(build_dir, max_age_s=0.0)
+        yield
 
 
 STALE_LOCK_S = 900.0  # a build takes about a minute; a lock this old outlived the process that took it

@@ -33,7 +33,8 @@ def cases(draw):
     widths = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))  # module outputs, in units of d
     n_adapters = draw(st.integers(1, 4))
     return dict(
-        d=d, widths=widths, in_features=draw(st.sampled_from([d, 3 * d, 5 * d, 1600 + d])),  # 1600 + d: a K past the default model's
+        # 1600 + d: a K past the default model's
+        d=d, widths=widths, in_features=draw(st.sampled_from([d, 3 * d, 5 * d, 1600 + d])),
         rows_per_page=2 * draw(st.integers(1, 6)),
         ranks=[[8 * draw(st.integers(1, 8)) for _ in widths] for _ in range(n_adapters)],
         lens=draw(st.lists(st.one_of(st.just(1), st.integers(2, 16), st.integers(17, 60)), min_size=1, max_size=6)),
@@ -54,7 +55,7 @@ def test_linear_lora_matches_float64(case):
         bounds.append(bounds[-1] + o)
     adapters = [random_lora_adapter(f"a{i}", rng, {m: (k, outs[m]) for m in modules}, [0, 1], ranks)
                 for i, ranks in enumerate(case["ranks"])]
-    # Pages for every adapter's rows: A^T's in x rank floats dominate at the K-blocked widths.
+    # Pages for every adapter's rows: A^T's in x rank floats dominate at K = 1600 + d.
     rows = sum(-(-(k + o) * r // d) for ranks in case["ranks"] for o, r in zip(outs, ranks)) * 2  # 2 layers
     geometry = sgmv_geometry(d, case["rows_per_page"], 2, max(4000, 2 * rows // case["rows_per_page"]), torch.float32)
     pool = poisoned_pool(geometry, torch.device("cpu"))
