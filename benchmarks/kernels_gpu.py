@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -519,6 +520,17 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
     return rec
 
 
+def guarded(label: str, case: Callable[[], dict]) -> dict:
+    """One case's record, or its error: the GPU run is a single call on a lent machine, so a case that
+    fails (a compile error at one shape, say) is recorded and printed, and the others still run."""
+    try:
+        return case()
+    except Exception as e:  # noqa: BLE001 - reported in the table and the exit status
+        traceback.print_exc()
+        print(f"  {label}: ERROR {type(e).__name__}: {e}")
+        return {"case": label, "error": f"{type(e).__name__}: {e}", "check_ok": False}
+
+
 def bench_sgmv(shapes: Shapes, device: torch.device, timer: Timer, ops, deadline: float, ceil: dict) -> list[dict]:
     n = max(shapes.batches)
     ranks = {r for rs in shapes.rank_sets.values() for r in rs}
@@ -538,7 +550,8 @@ def bench_sgmv(shapes: Shapes, device: torch.device, timer: Timer, ops, deadline
                 if time.time() > deadline:
                     print(f"  time budget spent: skipping sgmv {popularity} {set_name} batch {batch}")
                     continue
-                results.append(sgmv_case(bench, popularity, set_name, batch, rng))
+                label = f"sgmv {popularity} {set_name} batch {batch}"
+                results.append(guarded(label, lambda: sgmv_case(bench, popularity, set_name, batch, rng)))
     return results
 
 
@@ -612,14 +625,15 @@ def bench_attention(shapes: Shapes, device: torch.device, timer: Timer, ops, dea
     pool = PagePool(geometry, device)
     kv = pool.kv_view()
     kv.copy_(torch.randn(tuple(kv.shape), device=device).to(shapes.dtype))
-    dealer = PageDealer(geometry.num_pages, seed=1)
     results = []
     for batch in shapes.batches:
         if time.time() > deadline:
             print(f"  time budget spent: skipping attention batch {batch}")
             continue
-        meta = decode_meta(shapes, batch, dealer, device)
-        results.append(attention_case(shapes, timer, ops, kv, meta, ceil["copy_gbps_read_plus_write"]))
+        # A fresh dealer per batch: the pool holds the largest batch's pages, not the sum of every batch's.
+        dealer = PageDealer(geometry.num_pages, seed=1)
+        results.append(guarded(f"attention batch {batch}", lambda: attention_case(
+            shapes, timer, ops, kv, decode_meta(shapes, batch, dealer, device), ceil["copy_gbps_read_plus_write"])))
     return results
 
 
@@ -646,7 +660,7 @@ def markdown(report: dict) -> str:
         "| adapters | ranks | batch | distinct | base us | ours us (graph) | gather+bmm us | loop us | ours/base | floor | adapter GB/s | % of copy | check |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in report["sgmv"]:
+    for r in ok_rows(report["sgmv"]):
         lines.append(
             f"| {r['popularity']} | {r['ranks']} | {r['batch']} | {r['distinct_adapters']} | {r['base_us']:.1f} "
             f"| {r['ours_us']:.1f} ({fmt(r['ours_graph_us'])}) | {r['gather_bmm_us']:.1f} | {r['loop_us']:.1f} "
@@ -660,12 +674,19 @@ def markdown(report: dict) -> str:
         "| batch | context | ours us (graph) | torch us | KV GB/s | % of copy | check |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in report["attention"]:
+    for r in ok_rows(report["attention"]):
         lines.append(f"| {r['batch']} | {r['context']} | {r['ours_us']:.1f} ({fmt(r['ours_graph_us'])}) | "
                      f"{r['torch_us']:.1f} | {r['kv_read_gbps']:.0f} | {100 * r['kv_read_vs_copy']:.0f} | "
                      f"{'ok' if r['check_ok'] else 'FAILED'} |")
+    errors = [r for r in report["sgmv"] + report["attention"] if "error" in r]
+    if errors:
+        lines += ["", "## Cases that failed to run", ""] + [f"- {r['case']}: {r['error']}" for r in errors]
     lines.append("")
     return "\n".join(lines)
+
+
+def ok_rows(records: list[dict]) -> list[dict]:
+    return [r for r in records if "error" not in r]
 
 
 def run(shapes: Shapes, device: torch.device, out_dir: Path, budget_s: float, dry_run: bool) -> dict:

@@ -123,6 +123,20 @@ def write_result(result: dict, checks: list, out: Path, t_start: float, parts: l
     tmp.replace(out)
 
 
+def run_part(name: str, part, result: dict, log) -> None:
+    """Run one optional part (online, decode, scaling); an exception in it is logged and recorded under
+    result["errors"] and the next part still runs: on a lent GPU the whole benchmark is one call, and a
+    failure late in it should not cost the parts that work. `complete` then stays false."""
+    try:
+        part()
+    except Exception as e:  # noqa: BLE001 - recorded in the JSON and the exit status
+        import traceback
+
+        traceback.print_exc()
+        log(f"{name}: FAILED {type(e).__name__}: {e}")
+        result.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+
+
 def print_mode(r: ModeResult) -> None:
     print(f"\n{r.mode}: | system | req/s | out tok/s | TTFT p50 s | TTFT p99 s | ITL p99 s | SLO att. | wall s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -162,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/e2e_<preset>.json)")
     ap.add_argument("--host-cache-mib", type=float, default=None, help="override the preset's scaling host cache")
     ap.add_argument("--scaling-pool-mib", type=float, default=None, help="override the preset's scaling pool")
+    ap.add_argument("--scaling-repeats", type=int, default=None, help="override the preset's scaling sweeps")
     args = ap.parse_args(argv)
     preset_name = args.preset or "quick"
     p = PRESETS[preset_name]
@@ -169,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
         p = dataclasses.replace(p, host_cache_mib=args.host_cache_mib)
     if args.scaling_pool_mib is not None:
         p = dataclasses.replace(p, scaling_pool_mib=args.scaling_pool_mib)
+    if args.scaling_repeats is not None:
+        p = dataclasses.replace(p, scaling_repeats=args.scaling_repeats)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = args.out or _BENCH / "results" / f"e2e_{preset_name}{'_gpu' if args.gpu else ''}.json"
@@ -225,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     checks = offline_checks(offline.metrics, offline.base_choice, loss, matmul_floor_s(requests, cfg, ceilings))
     parts = ["offline"]
     write_result(result, checks, out, t_start, parts, complete=False)
-    if "online" not in args.skip:
+    def online_part() -> None:
         rate = p.online_load * offline.metrics["loraplex"].throughput_rps
         log(f"online: {rate:.3f} req/s ({p.online_load} x loraplex's offline rate), TTFT target "
             f"{p.ttft_target_s} s...")
@@ -233,11 +250,15 @@ def main(argv: list[str] | None = None) -> dict:
                             p.prefix_tokens, log)
         result["online"] = {"rate_rps": rate, **online.as_dict()}
         print_mode(online)
-        checks += online_checks(online.metrics)
+        checks.extend(online_checks(online.metrics))
         parts.append("online")
         write_result(result, checks, out, t_start, parts, complete=False)
-    del hf_base, hf_peft, systems
-    if "decode" not in args.skip:
+
+    if "online" not in args.skip:
+        run_part("online", online_part, result, log)
+    hf_base = hf_peft = systems = None  # the transformers models' memory goes before decode and scaling
+
+    def decode_part() -> None:
         log(f"decode at batch {p.decode_batch}...")
         ranks = {n: adapter_rank(n) for n in adapters}
         n = 1024 if tiny else 2048
@@ -245,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
                   decode_share(engine, ceilings, list(adapters), ranks, p.decode_batch, steps=p.decode_steps,
                                matmul_n=n)]
         result["decode"] = [s.as_dict() for s in shares]
-        checks += decode_checks(shares[:1])  # the target is on the decode step itself (no adapters)
+        checks.extend(decode_checks(shares[:1]))  # the target is on the decode step itself (no adapters)
         parts.append("decode")
         write_result(result, checks, out, t_start, parts, complete=False)
         for s in shares:
@@ -253,8 +274,12 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{s.tokens_per_s:.0f} tok/s, {s.achieved_gflops:.0f} GFLOP/s = "
                   f"{s.share_of_compute_ceiling:.2f} of the {s.ceiling_gflops:.0f} GFLOP/s measured beside the steps "
                   f"(the run's opening roofline: {s.run_ceiling_gflops:.0f})")
-    del engine
-    if "scaling" not in args.skip:
+
+    if "decode" not in args.skip:
+        run_part("decode", decode_part, result, log)
+    engine = None  # its pool and weights go before the scaling engines are built
+
+    def scaling_part() -> None:
         # A GPU's steps leave the CPU free for loads beside them; on the CPU they share its cores (scaling.py).
         prefetch_loads = args.gpu
         loads = "prefetch thread" if prefetch_loads else "engine thread"
@@ -269,14 +294,17 @@ def main(argv: list[str] | None = None) -> dict:
                              "adapter_loads": loads,
                              "points": [pt.as_dict() for pt in points]}
         print_scaling(points)
-        checks += scaling_checks(points)
+        checks.extend(scaling_checks(points))
         png = out.with_suffix(".png")
         plot_scaling(points, png, f"loraplex adapter scaling ({preset_name}, {device.type}, {dtype_name}; host "
                                   f"cache {p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB)")
         result["scaling"]["plot"] = str(png)
         parts.append("scaling")
+
+    if "scaling" not in args.skip:
+        run_part("scaling", scaling_part, result, log)
     print_checks(checks)
-    write_result(result, checks, out, t_start, parts, complete=True)
+    write_result(result, checks, out, t_start, parts, complete="errors" not in result)
     print(f"\nroofline: read {ceilings.read_gbps:.1f} GB/s, copy {ceilings.copy_gbps:.1f} GB/s, matmul "
           f"{ceilings.matmul_gflops:.0f} GFLOP/s ({ceilings.dtype}, {ceilings.threads} threads; by backend: "
           f"{', '.join(f'{k} {v:.0f}' for k, v in ceilings.matmul_by_backend.items()) or '-'}); "
@@ -285,4 +313,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(1 if "errors" in main() else 0)

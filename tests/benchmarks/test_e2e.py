@@ -194,3 +194,23 @@ def test_a_run_stopped_midway_keeps_the_parts_it_finished(tiny_model, tmp_path, 
     assert {"loraplex", "peft-static", "loraplex-no-adapters"} <= set(written["offline"]["metrics"])
     assert any(t["name"].startswith("offline output tok/s") for t in written["targets"])
     assert "online" not in written and not out.with_name(out.name + ".tmp").exists()
+
+
+def test_a_failing_part_is_recorded_and_the_next_part_runs():
+    """On a lent GPU the benchmark is one call: a part that raises is logged and recorded under "errors"
+    (the run then ends not complete, exit status 1), and the parts after it still run."""
+    result: dict = {}
+    logged: list[str] = []
+    ran: list[str] = []
+
+    def broken() -> None:
+        raise ValueError("no such kernel")
+
+    e2e_run.run_part("online", broken, result, logged.append)
+    e2e_run.run_part("decode", lambda: ran.append("decode"), result, logged.append)
+    assert result == {"errors": {"online": "ValueError: no such kernel"}}
+    assert ran == ["decode"] and logged == ["online: FAILED ValueError: no such kernel"]
+
+
+def test_the_tiny_run_has_no_errors(result):
+    assert "errors" not in result and result["complete"] is True

@@ -31,3 +31,22 @@ def test_benchmark_dry_run_checks_and_reports(tmp_path):
     assert all(r["check_ok"] for r in report["sgmv"] + report["attention"])
     assert json.loads((tmp_path / "kernels_gpu.json").read_text())["dry_run"] is True
     assert "| zipf | mixed | 3 |" in (tmp_path / "kernels_gpu.md").read_text()
+
+
+def test_a_failing_case_is_recorded_and_listed_not_fatal(tmp_path):
+    """The GPU run is one call on a lent machine: a case that raises is recorded, printed and listed under
+    the tables, the others still run, and the exit status says a check failed."""
+    bench = load_script()
+
+    def broken() -> dict:
+        raise RuntimeError("pool too small")
+
+    rec = bench.guarded("attention batch 256", broken)
+    assert rec == {"case": "attention batch 256", "error": "RuntimeError: pool too small", "check_ok": False}
+    shapes = dataclasses.replace(bench.DRY, batches=(2,), rank_sets={"r8": (8,)}, popularity=("distinct",),
+                                 sgmv_sweep=(), attention_sweep=())
+    report = bench.run(shapes, torch.device("cpu"), tmp_path, budget_s=600, dry_run=True)
+    report["attention"].append(rec)
+    md = bench.markdown(report)
+    assert "- attention batch 256: RuntimeError: pool too small" in md
+    assert md.count("| 2 | 40 |") == 1  # the attention row that ran is still in its table
