@@ -142,3 +142,21 @@ def test_scaling_runs_serve_the_same_with_loads_on_either_thread(setup, tmp_path
         hc = point.host_cache
         assert hc["hits"] + hc["joined"] + hc["misses"] == len(reqs) and hc["misses"] >= len(names)
         assert hc["evictions"] > 0  # the cache holds three of the five
+
+
+def test_warmup_runs_the_adapter_path_outside_the_clock(setup):
+    """The warm-up of a system with adapters serves two of its loaded adapters and a request without one, so
+    the LoRA kernels' variants are built (Triton compiles them on a GPU) before the first timed run; a fed
+    system's warm-up loads nothing (its host-cache counts belong to the run)."""
+    model, folders = setup
+    engine = _engine(model)
+    for name in ("a0", "a1", "a2"):
+        engine.load_adapter(name, folders[name])
+    LoraplexSystem("loraplex", engine, True).warmup()
+    assert not engine.has_unfinished()
+    resident = {n for n in ("a0", "a1", "a2") if engine.pager.is_resident(engine.adapters.resolve(n))}
+    assert resident == {"a0", "a1"}  # placed in the pool by the warm-up's steps
+    base = _engine(model)
+    base.load_adapter("a0", folders["a0"])
+    LoraplexSystem("no-adapters", base, False).warmup()
+    assert not base.pager.is_resident(base.adapters.resolve("a0"))
