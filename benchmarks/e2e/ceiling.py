@@ -28,6 +28,9 @@ class Ceilings:
     matmul_gflops: float  # the best of matmul_by_backend on the CPU (roofline.py: one library is not a ceiling)
     threads: int
     matmul_by_backend: dict[str, float] = field(default_factory=dict)
+    # On a GPU: where adapter loads go (the floor prices them there); None on the CPU.
+    host_read_gbps: float | None = None  # host memory, read (a CPU tensor's sum)
+    h2d_gbps: float | None = None  # pinned host memory to the device
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,7 +63,13 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, mib: int = 512, r
     n = 8192
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     flops = 2 * n**3 / _best_cuda(lambda: a @ b, reps) / 1e9
-    return Ceilings(str(device), str(dtype).removeprefix("torch."), read, copy, flops, torch.get_num_threads())
+    host = torch.ones(mib * (1 << 20) // 4)  # [mib MiB] float32
+    host_read = host.numel() * 4 / _best_cuda(lambda: host.sum(), reps) / 1e9
+    pinned = host.pin_memory()
+    dev = torch.empty_like(pinned, device=device)
+    h2d = pinned.numel() * 4 / _best_cuda(lambda: dev.copy_(pinned), reps) / 1e9
+    return Ceilings(str(device), str(dtype).removeprefix("torch."), read, copy, flops, torch.get_num_threads(),
+                    host_read_gbps=host_read, h2d_gbps=h2d)
 
 
 def linear_params(cfg: ModelConfig) -> int:

@@ -307,7 +307,9 @@ def main(argv: list[str] | None = None) -> dict:
     write_result(result, checks, out, t_start, parts, complete="errors" not in result)
     print(f"\nroofline: read {ceilings.read_gbps:.1f} GB/s, copy {ceilings.copy_gbps:.1f} GB/s, matmul "
           f"{ceilings.matmul_gflops:.0f} GFLOP/s ({ceilings.dtype}, {ceilings.threads} threads; by backend: "
-          f"{', '.join(f'{k} {v:.0f}' for k, v in ceilings.matmul_by_backend.items()) or '-'}); "
+          f"{', '.join(f'{k} {v:.0f}' for k, v in ceilings.matmul_by_backend.items()) or '-'})"
+          + (f"; host read {ceilings.host_read_gbps:.1f} GB/s, host to device {ceilings.h2d_gbps:.1f} GB/s"
+             if ceilings.h2d_gbps is not None else "") + "; "
           f"{result['elapsed_s']} s in all; wrote {out}")
     return result
 

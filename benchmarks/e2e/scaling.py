@@ -117,6 +117,7 @@ class ScalingPoint:
     step_adapter_bytes: int  # summed over steps: bytes of the distinct adapters each step read
     load_bytes: int  # host-cache loads + pool loads, one pass each
     lora_flops: float
+    pool_load_bytes: int = 0  # of load_bytes, the pool loads' (host to device on a GPU)
     measured_loss: float | None = None
     predicted_loss: float | None = None
     loss_ratio: float | None = None  # measured / predicted (the issue's bound: <= 1.3)
@@ -158,6 +159,7 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
     # One pass over an adapter's bytes per host-cache load and per pool load (mean adapter size).
     mean_bytes = (sum(_adapter_bytes(engine, n) for n in folders) / len(folders)) if folders else 0
     load_bytes = int((hc.loads + pool_loads) * mean_bytes)
+    pool_load_bytes = int(pool_loads * mean_bytes)
     lora_flops = sum(2.0 * (len(r.prompt) + r.output_tokens) * adapter_elements(cfg, ranks[r.id])
                      for r in requests if r.adapter)
     point = ScalingPoint(
@@ -166,7 +168,7 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
         host_cache={k: v for k, v in asdict(hc).items() if k not in ("entries", "bytes")},
         pool_loads=pool_loads, pool_evictions=pool.adapter_evictions, pool_pages=pool.total_pages,
         adapter_pages_at_end=pool.adapter_pages, step_adapter_bytes=step_bytes, load_bytes=load_bytes,
-        lora_flops=lora_flops)
+        lora_flops=lora_flops, pool_load_bytes=pool_load_bytes)
     store.cache.close()
     return run, point
 
@@ -209,6 +211,21 @@ def _median_point(runs: list[ScalingPoint]) -> ScalingPoint:
                                walls=[r.wall_s for r in runs])
 
 
+def extra_seconds(p: ScalingPoint, ref: ScalingPoint, ceilings: Ceilings) -> float:
+    """The floor's extra time of p over ref: extra bytes over the bandwidth of the memory they cross, extra
+    LoRA FLOPs over the matmul rate. On the CPU every byte is priced at the measured read bandwidth. On a GPU
+    the adapters' step reads are priced at the device's bandwidth, host-cache loads (file to host memory) at the
+    host's and pool loads at the host-to-device copy rate: pricing loads at HBM bandwidth (as before
+    2026-12-04) predicted a 0.1% loss where the loads themselves cross PCIe."""
+    step = (p.step_adapter_bytes - ref.step_adapter_bytes) / (ceilings.read_gbps * 1e9)
+    flops = (p.lora_flops - ref.lora_flops) / (ceilings.matmul_gflops * 1e9)
+    if ceilings.h2d_gbps is None or ceilings.host_read_gbps is None:
+        return step + (p.load_bytes - ref.load_bytes) / (ceilings.read_gbps * 1e9) + flops
+    host = (p.load_bytes - p.pool_load_bytes) - (ref.load_bytes - ref.pool_load_bytes)
+    pool = p.pool_load_bytes - ref.pool_load_bytes
+    return step + host / (ceilings.host_read_gbps * 1e9) + pool / (ceilings.h2d_gbps * 1e9) + flops
+
+
 def with_predictions(points: list[ScalingPoint], ceilings: Ceilings) -> list[ScalingPoint]:
     """Relative throughput and the floor's predicted loss against the first point (1 adapter)."""
     if not points:
@@ -216,9 +233,7 @@ def with_predictions(points: list[ScalingPoint], ceilings: Ceilings) -> list[Sca
     ref = points[0]
     out = []
     for p in points:
-        extra_bytes = (p.step_adapter_bytes - ref.step_adapter_bytes) + (p.load_bytes - ref.load_bytes)
-        extra_s = extra_bytes / (ceilings.read_gbps * 1e9) + (p.lora_flops - ref.lora_flops) / (
-            ceilings.matmul_gflops * 1e9)
+        extra_s = extra_seconds(p, ref, ceilings)
         predicted_rel = ref.wall_s / (ref.wall_s + extra_s)
         measured_rel = p.throughput_rps / ref.throughput_rps
         measured_loss, predicted_loss = 1.0 - measured_rel, 1.0 - predicted_rel

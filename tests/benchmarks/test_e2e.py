@@ -214,3 +214,24 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs():
 
 def test_the_tiny_run_has_no_errors(result):
     assert "errors" not in result and result["complete"] is True
+
+
+def test_the_floor_prices_loads_where_they_go():
+    """On the CPU every extra byte is priced at the read bandwidth; on a GPU the step reads at the device's,
+    host-cache loads at the host's and pool loads at the host-to-device rate."""
+    from e2e.ceiling import Ceilings
+    from e2e.scaling import ScalingPoint, extra_seconds
+
+    def point(step: int, load: int, pool: int, flops: float) -> ScalingPoint:
+        return ScalingPoint(adapters=1, distinct_used=1, throughput_rps=1.0, throughput_tok_s=1.0, wall_s=1.0,
+                            relative_throughput=1.0, host_cache={}, pool_loads=0, pool_evictions=0, pool_pages=0,
+                            adapter_pages_at_end=0, step_adapter_bytes=step, load_bytes=load, lora_flops=flops,
+                            pool_load_bytes=pool)
+
+    ref, p = point(1e9, 2e9, 1e9, 1e9), point(5e9, 10e9, 4e9, 3e9)
+    cpu = Ceilings("cpu", "float32", read_gbps=40.0, copy_gbps=30.0, matmul_gflops=500.0, threads=2)
+    assert extra_seconds(p, ref, cpu) == pytest.approx((4e9 + 8e9) / 40e9 + 2e9 / 500e9)
+    gpu = Ceilings("cuda", "bfloat16", read_gbps=4000.0, copy_gbps=4000.0, matmul_gflops=7e5, threads=16,
+                   host_read_gbps=20.0, h2d_gbps=50.0)
+    # host-cache load bytes: 6e9 - 1e9 = 5e9 more; pool load bytes 3e9 more
+    assert extra_seconds(p, ref, gpu) == pytest.approx(4e9 / 4000e9 + 5e9 / 20e9 + 3e9 / 50e9 + 2e9 / 7e14)
