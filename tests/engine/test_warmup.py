@@ -22,7 +22,8 @@ def model_dir(tmp_path_factory):
 
 def _engine(model_dir, **kw) -> EngineCore:
     kw.setdefault("pool_bytes", 8 << 20)
-    return EngineCore(EngineConfig(model=str(model_dir), kernels="torch", max_lora_rank=16, **kw))
+    kw.setdefault("kernels", "torch")
+    return EngineCore(EngineConfig(model=str(model_dir), max_lora_rank=16, **kw))
 
 
 def _greedy(engine: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
@@ -80,3 +81,25 @@ def test_warmup_refuses_a_busy_engine_and_changes_nothing(model_dir):
     assert list(engine.requests) == [req.request_id]
     assert engine.stats().num_waiting == 1
     assert engine.stats().num_steps == 0
+
+
+def test_triton_warmup_runs_a_throwaway_adapter_and_drops_it(model_dir):
+    """With the Triton kernels (interpreted here), the warm-up also serves a prefill and a decode through a
+    throwaway adapter beside a request without one, so that a GPU server's first adapter request does not
+    wait for the LoRA kernels to compile; afterwards no adapter, page or request is left, and the engine
+    serves what a cold one serves. The other backends build nothing at first use and skip it."""
+    rng = random.Random()
+    prompts = [[rng.randrange(3, 257) for _ in range(rng.randint(3, 20))] for _ in range(2)]
+    engine = _engine(model_dir, kernels="triton", max_num_batched_tokens=32)
+    assert engine.warmup() > 0
+    stats, pool = engine.stats(), engine.pager.stats()
+    assert pool.adapter_loads == 1  # the throwaway adapter was placed: the LoRA path ran
+    assert (stats.adapter_pages, stats.resident_adapters, stats.kv_pages) == (0, 0, 0)
+    assert engine.adapters.names() == [] and not engine.requests
+    engine.pager.check_integrity()
+    cold = _engine(model_dir, kernels="triton", max_num_batched_tokens=32)
+    assert _greedy(engine, prompts) == _greedy(cold, prompts)
+
+    plain = _engine(model_dir, max_num_batched_tokens=32)  # the torch kernels
+    plain.warmup()
+    assert plain.pager.stats().adapter_loads == 0
