@@ -4,7 +4,8 @@
 2. SGMV at Llama-3-8B shapes (hidden 4096, KV 1024, MLP 14336; one layer's 7 projections) for a
    decode batch of 1, 16, 64 and 256 tokens, ranks 8 / 16 / 64 / mixed 8-16-64, adapters distinct
    per token or zipf-popular: the base GEMMs of the layer (fused qkv, o, fused gate_up, down), our
-   SGMV (7 apply_lora calls, adapters read in place from the page pool), a gather-then-bmm baseline
+   SGMV (7 apply_lora calls, adapters read in place from the page pool), our grouped SGMV (4
+   apply_lora_group calls, as the model makes them: q/k/v and gate/up one launch pair each), a gather-then-bmm baseline
    (each token's adapter rows copied out of the pool, then one bmm per rank) and a loop over adapters
    (contiguous weights, two matmuls per adapter and module). Each is checked against the others.
 3. Paged decode attention at 2k context (32 heads over 8 KV heads, head_dim 128, blocks of 16): our
@@ -395,11 +396,21 @@ def make_acts(shapes: Shapes, batch: int, device: torch.device) -> Acts:
 
 
 def lora_targets(shapes: Shapes, acts: Acts) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(module index, output slice, input) of the 7 projections, as the model calls apply_lora."""
+    """(module index, output slice, input) of the 7 projections, one apply_lora call each."""
     h, kv, i = shapes.hidden, shapes.kv_size, shapes.mlp
     return [
         (0, acts.qkv[:, :h], acts.x), (1, acts.qkv[:, h : h + kv], acts.x), (2, acts.qkv[:, h + kv :], acts.x),
         (3, acts.o, acts.x), (4, acts.gu[:, :i], acts.x), (5, acts.gu[:, i:], acts.x), (6, acts.down, acts.xi),
+    ]
+
+
+def lora_groups(shapes: Shapes, acts: Acts) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor, torch.Tensor]]:
+    """(modules, column bounds, fused output, input) of the layer's 4 projections, as the model calls
+    apply_lora_group: q/k/v and gate/up each share x and one fused output."""
+    h, kv, i = shapes.hidden, shapes.kv_size, shapes.mlp
+    return [
+        ((0, 1, 2), (0, h, h + kv, h + 2 * kv), acts.qkv, acts.x), ((3,), (0, h), acts.o, acts.x),
+        ((4, 5), (0, i, 2 * i), acts.gu, acts.x), ((6,), (0, h), acts.down, acts.xi),
     ]
 
 
@@ -474,6 +485,12 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
         for m, y, x in targets:
             b.ops.apply_lora(y, x, b.rows, ours_batch, 0, m, split=split)
 
+    grouped_targets = lora_groups(b.shapes, acts)
+
+    def ours_grouped() -> None:
+        for mods, bounds, y, x in grouped_targets:
+            b.ops.apply_lora_group(y, x, b.rows, ours_batch, 0, mods, bounds)
+
     groups = gather_groups(res_list, token_adapter, [m for m, _, _ in targets], b.device)
 
     def gather_bmm() -> None:
@@ -487,7 +504,7 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
 
     # Check: each method's deltas against the gather baseline's.
     deltas = {}
-    for name, fn in (("ours", ours), ("gather_bmm", gather_bmm), ("loop", loop)):
+    for name, fn in (("ours", ours), ("ours_grouped", ours_grouped), ("gather_bmm", gather_bmm), ("loop", loop)):
         acts.zero_()
         fn()
         deltas[name] = torch.cat([acts.qkv, acts.o, acts.gu, acts.down], dim=1).float()
@@ -499,6 +516,8 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
         "check_rel_err": err, "check_ok": all(e < b.tol for e in err.values()),
         "base_us": b.timer(base), "base_graph_us": b.timer.graph(base),
         "ours_us": b.timer(ours), "ours_graph_us": b.timer.graph(ours),
+        "ours_grouped_us": b.timer(ours_grouped), "ours_grouped_graph_us": b.timer.graph(ours_grouped),
+        "ours_grouped_rel_err": err["ours_grouped"],
         "gather_bmm_us": b.timer(gather_bmm), "loop_us": b.timer(loop),
     }
     rec["adapter_bytes"] = sum(b.adapters.bytes_of[id(res_list[a])] for a in set(token_adapter))
@@ -514,7 +533,8 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
         rec["split_sweep_us"] = {split: b.timer.best(lambda split=split: ours(split)) for split in (1, 2, 4, 8, 16, 32)}
         print(f"  split sweep: {rec['split_sweep_us']}")
     print(f"  sgmv {popularity:8s} {set_name:5s} B={batch:3d}: base {rec['base_us']:8.1f} us, ours "
-          f"{rec['ours_us']:8.1f} (graph {fmt(rec['ours_graph_us'])}), gather+bmm {rec['gather_bmm_us']:8.1f}, "
+          f"{rec['ours_us']:8.1f} (graph {fmt(rec['ours_graph_us'])}), grouped {rec['ours_grouped_us']:8.1f} "
+          f"(graph {fmt(rec['ours_grouped_graph_us'])}), gather+bmm {rec['gather_bmm_us']:8.1f}, "
           f"loop {rec['loop_us']:8.1f}; ours/base {rec['ours_over_base']:.2f} (floor {rec['floor_over_base']:.2f}); "
           f"{rec['adapter_read_gbps']:.0f} GB/s; check {'ok' if rec['check_ok'] else 'FAILED'} {err}")
     return rec
@@ -655,15 +675,17 @@ def markdown(report: dict) -> str:
         "## SGMV, one layer's 7 projections (decode batch)",
         "",
         "ours/base: our kernel time (graph replay where captured) over the base GEMMs'; floor: adapter bytes over "
-        "base-weight bytes, the least ours/base can be when both read their weights at the same bandwidth.",
+        "base-weight bytes, the least ours/base can be when both read their weights at the same bandwidth. "
+        "ours grouped: the same deltas in 4 apply_lora_group calls (q/k/v and gate/up one shrink and one expand launch each).",
         "",
-        "| adapters | ranks | batch | distinct | base us | ours us (graph) | gather+bmm us | loop us | ours/base | floor | adapter GB/s | % of copy | check |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| adapters | ranks | batch | distinct | base us | ours us (graph) | ours grouped us (graph) | gather+bmm us | loop us | ours/base | floor | adapter GB/s | % of copy | check |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in ok_rows(report["sgmv"]):
         lines.append(
             f"| {r['popularity']} | {r['ranks']} | {r['batch']} | {r['distinct_adapters']} | {r['base_us']:.1f} "
-            f"| {r['ours_us']:.1f} ({fmt(r['ours_graph_us'])}) | {r['gather_bmm_us']:.1f} | {r['loop_us']:.1f} "
+            f"| {r['ours_us']:.1f} ({fmt(r['ours_graph_us'])}) | {r['ours_grouped_us']:.1f} ({fmt(r['ours_grouped_graph_us'])}) "
+            f"| {r['gather_bmm_us']:.1f} | {r['loop_us']:.1f} "
             f"| {r['ours_over_base']:.2f} | {r['floor_over_base']:.2f} | {r['adapter_read_gbps']:.0f} | {100 * r['adapter_read_vs_copy']:.0f} "
             f"| {'ok' if r['check_ok'] else 'FAILED'} |")
     lines += [

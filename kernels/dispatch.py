@@ -7,6 +7,7 @@ kernels where they build on this machine (cpu_build.py), the torch path otherwis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +17,7 @@ from loraplex.errors import ConfigError
 
 from . import cpu_attention, cpu_sgmv, torch_attention, torch_sgmv
 from .cpu_build import build_error, load_extension
+from .metadata import LoraBatch
 
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 
@@ -30,9 +32,31 @@ class KernelOps:
     lora_shrink: Callable  # (x, pool_rows, lora_batch, layer, module) -> s
     lora_expand: Callable  # (y, s, pool_rows, lora_batch, layer, module) -> None
     apply_lora: Callable  # (y, x, pool_rows, lora_batch, layer, module) -> None
+    # (y, x, pool_rows, lora_batch, layer, modules, bounds) -> None: apply_lora of modules[g] on y's columns
+    # bounds[g] .. bounds[g + 1], for modules that share x and one fused output (q | k | v, gate | up).
+    apply_lora_group: Callable
     # Whether the model may hand long segments' LoRA to the packed GEMM's epilogue (cpu_lora_gemm: C++,
     # CPU, float32); the other backends keep every segment in apply_lora.
     gemm_lora: bool = False
+
+
+def per_module(apply_lora: Callable) -> Callable:
+    """apply_lora_group as a loop over apply_lora: for the backends whose per-call cost is not a kernel
+    launch (the Triton path groups the modules into one launch instead)."""
+
+    def apply_lora_group(
+        y: torch.Tensor,  # [T, bounds[-1]], updated in place
+        x: torch.Tensor,  # [T, in]
+        pool_rows: torch.Tensor,  # [R, D]
+        lora: LoraBatch,
+        layer: int,
+        modules: Sequence[int],
+        bounds: Sequence[int],  # module g owns columns bounds[g] .. bounds[g + 1] of y
+    ) -> None:
+        for m, lo, hi in zip(modules, bounds, bounds[1:]):
+            apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m)
+
+    return apply_lora_group
 
 
 TORCH_OPS = KernelOps(
@@ -42,6 +66,7 @@ TORCH_OPS = KernelOps(
     lora_shrink=torch_sgmv.lora_shrink,
     lora_expand=torch_sgmv.lora_expand,
     apply_lora=torch_sgmv.apply_lora,
+    apply_lora_group=per_module(torch_sgmv.apply_lora),
 )
 
 # The C++ kernels replace what measured faster in C++ on the CPU; the rest is the torch path's (the
@@ -53,6 +78,7 @@ CPU_OPS = KernelOps(
     lora_shrink=torch_sgmv.lora_shrink,
     lora_expand=torch_sgmv.lora_expand,
     apply_lora=cpu_sgmv.apply_lora,
+    apply_lora_group=per_module(cpu_sgmv.apply_lora),
     gemm_lora=True,
 )
 

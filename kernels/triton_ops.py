@@ -16,4 +16,5 @@ TRITON_OPS = KernelOps(
     lora_shrink=triton_sgmv.lora_shrink,
     lora_expand=triton_sgmv.lora_expand,
     apply_lora=triton_sgmv.apply_lora,
+    apply_lora_group=triton_sgmv.apply_lora_group,  # one shrink and one expand launch per group
 )

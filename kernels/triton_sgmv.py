@@ -9,11 +9,16 @@ the decode variant (BLOCK_M = 1), longer segments to tl.dot tiles of BLOCK_M tok
 float32 partial sums [SPLIT, T, SR] (SPLIT > 1 splits the K loop when there are too few tiles to
 fill the GPU, e.g. a decode batch of a few adapters), expand adds the partials while it loads
 them, so no reduction launch and no atomics are needed.
+
+apply_lora_group does the same for up to three modules that share x and write adjacent columns of
+one fused output (the model's q | k | v and gate | up) in one shrink and one expand launch: at decode
+the launches, not the bytes, cost the time. A single module is the group of one.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +37,7 @@ DEFAULT_BLOCK_M = 32
 # Widest chunk of one pool row a program loads per step (the chunk must stay inside one row of D).
 MAX_BLOCK_K = 128
 MAX_BLOCK_N = 128
+MAX_GROUP = 3  # modules per grouped launch: the expand kernel takes two interior column bounds
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,11 @@ def _module_rank(lora: LoraBatch, layer: int, module: int) -> int:
     return int(ranks[layer, module])
 
 
+def _group_rank(lora: LoraBatch, layer: int, modules: Sequence[int]) -> int:
+    """Largest rank among the segments carrying any of the modules at this layer; 0 when none does."""
+    return max(_module_rank(lora, layer, m) for m in modules)
+
+
 def _choose_split(device: torch.device, programs: int, k_chunks: int) -> int:
     """Split the K loop until the launch has about enough programs to fill the device."""
     slots = parallel_slots(device)
@@ -180,6 +191,51 @@ class SegmentTables:
         return layer * self.scales.stride(1) + module * self.scales.stride(2)
 
 
+def groupable(modules: Sequence[int], bounds: Sequence[int], d: int) -> bool:
+    """Whether one launch can serve these modules: 1 to MAX_GROUP modules, consecutive in TARGET_MODULES
+    (module g's table entries are the first one's plus g strides), each owning a multiple of D columns
+    (so no BLOCK_N block, BLOCK_N dividing D, straddles two modules)."""
+    assert len(bounds) == len(modules) + 1 and bounds[0] == 0, (modules, bounds)
+    return (1 <= len(modules) <= MAX_GROUP
+            and all(m == modules[0] + g for g, m in enumerate(modules))
+            and all((hi - lo) % d == 0 and hi > lo for lo, hi in zip(bounds, bounds[1:])))
+
+
+def sgmv_shrink_group_into(
+    partial: torch.Tensor,  # [split, T, G * SR] float32, SR a multiple of R_CHUNK; every element written
+    x: torch.Tensor,  # [T, K], unit column stride
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    modules: Sequence[int],  # G consecutive module indices (see groupable)
+    block_m: int = DEFAULT_BLOCK_M,
+) -> None:
+    """partial[s, t, g*SR + r] = scale * sum over split s's share of K of x[t, k] * A_g[r, k] (0 past the rank)."""
+    split, T, width = partial.shape
+    G = len(modules)
+    assert x.stride(1) == 1 and pool_rows.is_contiguous() and partial.stride(2) == 1
+    assert width % (G * R_CHUNK) == 0 and T == lora.num_tokens
+    assert all(m == modules[0] + g for g, m in enumerate(modules)) and G <= MAX_GROUP, modules
+    rc_per_mod = width // G // R_CHUNK
+    D = pool_rows.shape[1]
+    K = x.shape[1]
+    block_k = pow2_divisor(D, MAX_BLOCK_K)
+    k_chunks = K // block_k
+    per_split = -(-k_chunks // split)
+    seg = SegmentTables.of(lora)
+    for table in _tiles(lora, block_m, x.device).tables:
+        sgmv_shrink_kernel.on(x.device)[(table.num_tiles, split, G * rc_per_mod)](
+            x, x.stride(0), pool_rows, partial, partial.stride(0), partial.stride(1),
+            table.seg, table.start, table.length,
+            seg.layout, seg.layout.stride(0), seg.scales, seg.scales.stride(0), seg.pages, seg.pages.stride(0),
+            seg.layout_offset(layer, modules[0]), seg.scale_offset(layer, modules[0]),
+            seg.layout.stride(2), seg.scales.stride(2), rc_per_mod,
+            seg.rows_per_page, K, per_split,
+            D=D, BLOCK_M=table.block_m, BLOCK_K=block_k, R_CHUNK=R_CHUNK,
+            USE_DOT=block_k >= 16, DOT_PREC=dot_precision(x.dtype),
+        )
+
+
 def sgmv_shrink_into(
     partial: torch.Tensor,  # [split, T, SR] float32, SR a multiple of R_CHUNK; every element written
     x: torch.Tensor,  # [T, K], unit column stride
@@ -190,24 +246,39 @@ def sgmv_shrink_into(
     block_m: int = DEFAULT_BLOCK_M,
 ) -> None:
     """partial[s, t, r] = scale * sum over split s's share of K of x[t, k] * A[r, k] (0 past the rank)."""
-    split, T, sr = partial.shape
-    assert x.stride(1) == 1 and pool_rows.is_contiguous() and partial.stride(2) == 1
-    assert sr % R_CHUNK == 0 and T == lora.num_tokens
+    sgmv_shrink_group_into(partial, x, pool_rows, lora, layer, (module,), block_m)
+
+
+def sgmv_expand_group_from(
+    y: torch.Tensor,  # [T, bounds[-1]], unit column stride, updated in place
+    s: torch.Tensor,  # [split, T, G * SR] partials (summed while loaded), module g at columns g * SR
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    modules: Sequence[int],  # G modules, groupable with bounds
+    bounds: Sequence[int],  # module g owns columns bounds[g] .. bounds[g + 1] of y
+    block_m: int = DEFAULT_BLOCK_M,
+) -> None:
+    """y[t, cols of g] += sum_r (sum_s s[s, t, g*SR + r]) * B_g^T[r] for every token t in a segment carrying
+    (layer, modules[g]); the columns of a module the token's adapter lacks are untouched."""
+    assert y.stride(1) == 1 and s.stride(2) == 1 and pool_rows.is_contiguous()
+    G = len(modules)
     D = pool_rows.shape[1]
-    K = x.shape[1]
-    block_k = pow2_divisor(D, MAX_BLOCK_K)
-    k_chunks = K // block_k
-    per_split = -(-k_chunks // split)
+    N = y.shape[1]
+    assert N == bounds[-1] and groupable(modules, bounds, D), (modules, bounds, D)
+    block_n = pow2_divisor(D, MAX_BLOCK_N)
+    assert D % block_n == 0  # with D dividing each module's width: a block lies inside one module
+    b1, b2 = (list(bounds[1:-1]) + [N, N])[:2]
     seg = SegmentTables.of(lora)
-    for table in _tiles(lora, block_m, x.device).tables:
-        sgmv_shrink_kernel.on(x.device)[(table.num_tiles, split, sr // R_CHUNK)](
-            x, x.stride(0), pool_rows, partial, partial.stride(0), partial.stride(1),
+    for table in _tiles(lora, block_m, y.device).tables:
+        sgmv_expand_kernel.on(y.device)[(table.num_tiles, N // block_n)](
+            s, s.stride(0), s.stride(1), s.shape[2] // G, s.shape[0],
+            y, y.stride(0), pool_rows,
             table.seg, table.start, table.length,
-            seg.layout, seg.layout.stride(0), seg.scales, seg.scales.stride(0), seg.pages, seg.pages.stride(0),
-            seg.layout_offset(layer, module), seg.scale_offset(layer, module),
-            seg.rows_per_page, K, per_split,
-            D=D, BLOCK_M=table.block_m, BLOCK_K=block_k, R_CHUNK=R_CHUNK,
-            USE_DOT=block_k >= 16, DOT_PREC=dot_precision(x.dtype),
+            seg.layout, seg.layout.stride(0), seg.pages, seg.pages.stride(0),
+            seg.layout_offset(layer, modules[0]), seg.layout.stride(2), seg.rows_per_page, b1, b2, N,
+            D=D, BLOCK_M=table.block_m, BLOCK_N=block_n, R_CHUNK=R_CHUNK,
+            USE_DOT=block_n >= 16, DOT_PREC=dot_precision(y.dtype),
         )
 
 
@@ -221,43 +292,30 @@ def sgmv_expand_from(
     block_m: int = DEFAULT_BLOCK_M,
 ) -> None:
     """y[t] += sum_r (sum_s s[s, t, r]) * B^T[r] for every token t in a segment carrying (layer, module)."""
-    assert y.stride(1) == 1 and s.stride(2) == 1 and pool_rows.is_contiguous()
-    D = pool_rows.shape[1]
-    N = y.shape[1]
-    block_n = pow2_divisor(D, MAX_BLOCK_N)
-    seg = SegmentTables.of(lora)
-    for table in _tiles(lora, block_m, y.device).tables:
-        sgmv_expand_kernel.on(y.device)[(table.num_tiles, N // block_n)](
-            s, s.stride(0), s.stride(1), s.shape[0],
-            y, y.stride(0), pool_rows,
-            table.seg, table.start, table.length,
-            seg.layout, seg.layout.stride(0), seg.pages, seg.pages.stride(0),
-            seg.layout_offset(layer, module), seg.rows_per_page, N,
-            D=D, BLOCK_M=table.block_m, BLOCK_N=block_n, R_CHUNK=R_CHUNK,
-            USE_DOT=block_n >= 16, DOT_PREC=dot_precision(y.dtype),
-        )
+    sgmv_expand_group_from(y, s, pool_rows, lora, layer, (module,), (0, y.shape[1]), block_m)
 
 
-def _shrink_partials(x: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, layer: int, module: int,
-                     rank: int, split: int | None) -> torch.Tensor:  # [split, T, SR] float32
+def _shrink_partials(x: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, layer: int, modules: Sequence[int],
+                     rank: int, split: int | None) -> torch.Tensor:  # [split, T, G * SR] float32
     x = x if x.stride(1) == 1 else x.contiguous()
     sr = -(-rank // R_CHUNK) * R_CHUNK
+    G = len(modules)
     if split is None:
         tiles = _tiles(lora, DEFAULT_BLOCK_M, x.device)
         k_chunks = x.shape[1] // pow2_divisor(pool_rows.shape[1], MAX_BLOCK_K)
-        split = _choose_split(x.device, tiles.num_tiles * (sr // R_CHUNK), k_chunks)
-    partial = torch.empty(split, x.shape[0], sr, dtype=torch.float32, device=x.device)
-    sgmv_shrink_into(partial, x, pool_rows, lora, layer, module)
+        split = _choose_split(x.device, tiles.num_tiles * G * (sr // R_CHUNK), k_chunks)
+    partial = torch.empty(split, x.shape[0], G * sr, dtype=torch.float32, device=x.device)
+    sgmv_shrink_group_into(partial, x, pool_rows, lora, layer, modules)
     return partial
 
 
 def _expand_in_place(y: torch.Tensor, s: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, layer: int,
-                     module: int) -> None:
+                     modules: Sequence[int], bounds: Sequence[int]) -> None:
     if y.stride(1) == 1:
-        sgmv_expand_from(y, s, pool_rows, lora, layer, module)
+        sgmv_expand_group_from(y, s, pool_rows, lora, layer, modules, bounds)
         return
     tmp = y.contiguous()  # a rare caller's layout: update a copy, then write it back
-    sgmv_expand_from(tmp, s, pool_rows, lora, layer, module)
+    sgmv_expand_group_from(tmp, s, pool_rows, lora, layer, modules, bounds)
     y.copy_(tmp)
 
 
@@ -273,7 +331,7 @@ def lora_shrink(
     rank = _module_rank(lora, layer, module)
     if rank == 0:
         return out
-    partial = _shrink_partials(x, pool_rows, lora, layer, module, rank, None)
+    partial = _shrink_partials(x, pool_rows, lora, layer, (module,), rank, None)
     out[:, :rank] = partial.sum(0)[:, :rank].to(x.dtype)
     return out
 
@@ -289,7 +347,7 @@ def lora_expand(
     if _module_rank(lora, layer, module) == 0:
         return
     s = s if s.stride(1) == 1 else s.contiguous()
-    _expand_in_place(y, s.unsqueeze(0), pool_rows, lora, layer, module)
+    _expand_in_place(y, s.unsqueeze(0), pool_rows, lora, layer, (module,), (0, y.shape[1]))
 
 
 def apply_lora(
@@ -310,5 +368,34 @@ def apply_lora(
     rank = _module_rank(lora, layer, module)
     if rank == 0:
         return
-    partial = _shrink_partials(x, pool_rows, lora, layer, module, rank, split)
-    _expand_in_place(y, partial, pool_rows, lora, layer, module)
+    partial = _shrink_partials(x, pool_rows, lora, layer, (module,), rank, split)
+    _expand_in_place(y, partial, pool_rows, lora, layer, (module,), (0, y.shape[1]))
+
+
+def apply_lora_group(
+    y: torch.Tensor,  # [T, bounds[-1]], updated in place (may be a column slice of a wider output)
+    x: torch.Tensor,  # [T, in], the input every module of the group shares
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    modules: Sequence[int],  # consecutive TARGET_MODULES indices, e.g. (0, 1, 2) for q/k/v
+    bounds: Sequence[int],  # module g owns columns bounds[g] .. bounds[g + 1] of y; bounds[0] == 0
+    *,
+    split: int | None = None,  # K-split of the shrink (None: enough programs to fill the device)
+) -> None:
+    """apply_lora for each module on its columns of y, in one shrink and one expand launch.
+
+    The partials are [split, T, G * SR] with SR the group's largest rank (rounded up to R_CHUNK): a
+    module of lower rank leaves the tail of its band zero. Modules a launch cannot group (not
+    consecutive, more than MAX_GROUP, widths D does not divide) go one by one through apply_lora.
+    """
+    assert y.shape[1] == bounds[-1], (tuple(y.shape), bounds)
+    if not groupable(modules, bounds, pool_rows.shape[1]):
+        for m, lo, hi in zip(modules, bounds, bounds[1:]):
+            apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m, split=split)
+        return
+    rank = _group_rank(lora, layer, modules)
+    if rank == 0:
+        return
+    partial = _shrink_partials(x, pool_rows, lora, layer, modules, rank, split)
+    _expand_in_place(y, partial, pool_rows, lora, layer, modules, bounds)

@@ -23,6 +23,16 @@ tiles of tokens outside every segment (segment -1), which shrink fills with zero
 BLOCK_M == 1 is the decode (BGMV-style) variant: one token, products summed in registers;
 BLOCK_M > 1 multiplies with tl.dot (USE_DOT) or, where a chunk is too narrow for tl.dot on a GPU
 (BLOCK_K < 16), with a broadcast sum.
+
+Groups: one launch of each kernel serves G <= 3 modules that share the input x and write adjacent
+column ranges of one fused output (q | k | v, gate | up), because at decode the launches, not the
+bytes, set the time (one layer's 7 modules at batch 1 on an H200: 14 launches of ~6 us each). The
+modules are consecutive in TARGET_MODULES, so module g's (layer, module) entry is the first one's plus
+g * the layout's (scales') module stride. Shrink folds the module into grid axis 2 (g * rc_per_mod +
+rank chunk) and writes module g's partials at columns g * SR; expand maps each BLOCK_N column block
+of y to its module with the column bounds (b1, b2: scalar arguments, b1 = b2 = N for one module): a
+block never straddles two modules since BLOCK_N divides D and D divides every module's width. A single
+module is the G = 1 case, so there is one kernel of each kind.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ def sgmv_shrink_kernel(
     x_ptr,  # [T, K] activations, unit column stride
     stride_xt,
     pool_ptr,  # [R, D] pool rows, contiguous
-    out_ptr,  # [SPLIT, T, SR] float32 partial sums (scale applied), every element written
+    out_ptr,  # [SPLIT, T, G * SR] float32 partial sums (scale applied), module g at columns g * SR; all written
     stride_os,
     stride_ot,
     tile_seg_ptr,  # [NT] int32, segment of each tile (-1: no adapter)
@@ -49,8 +59,11 @@ def sgmv_shrink_kernel(
     stride_sc,
     pages_ptr,  # [S, P] int32, each segment's adapter page table
     stride_pg,
-    lay_off,  # offset of (layer, module) in a segment's layout
-    sc_off,  # offset of (layer, module) in a segment's scales
+    lay_off,  # offset of (layer, first module) in a segment's layout
+    sc_off,  # offset of (layer, first module) in a segment's scales
+    lay_mstride,  # layout offset from one module to the next
+    sc_mstride,  # scales offset from one module to the next
+    rc_per_mod,  # SR // R_CHUNK: rank chunks (grid axis 2 programs) per module
     rows_per_page,
     K,
     chunks_per_split,
@@ -63,15 +76,18 @@ def sgmv_shrink_kernel(
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    rc = tl.program_id(2)
+    g = tl.program_id(2) // rc_per_mod  # module of the group
+    rc = tl.program_id(2) % rc_per_mod
     seg = tl.load(tile_seg_ptr + tile)
     t0 = tl.load(tile_start_ptr + tile).to(tl.int64)
     tlen = tl.load(tile_len_ptr + tile)
     segc = tl.maximum(seg, 0)
-    rank = tl.load(layout_ptr + segc * stride_lay + lay_off)
+    lay = layout_ptr + segc * stride_lay + lay_off + g * lay_mstride
+    rank = tl.load(lay)  # 0 where the segment's adapter has no slot for this module: zeros written
     rank = tl.where(seg >= 0, rank, 0)
-    a_row = tl.load(layout_ptr + segc * stride_lay + lay_off + 1)
-    scale = tl.load(scales_ptr + segc * stride_sc + sc_off)
+    a_row = tl.load(lay + 1)
+    scale = tl.load(scales_ptr + segc * stride_sc + sc_off + g * sc_mstride)
+    out_mod = out_ptr + g * (rc_per_mod * R_CHUNK)  # this module's SR columns of the partials
 
     r = rc * R_CHUNK + tl.arange(0, R_CHUNK)
     rmask = r < rank
@@ -94,7 +110,7 @@ def sgmv_shrink_kernel(
             a = tl.load(pool_ptr + prow * D + e % D, mask=rmask[:, None], other=0.0)
             xv = tl.load(x_ptr + t0 * stride_xt + k0 + k)  # [BLOCK_K]
             acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
-        tl.store(out_ptr + split * stride_os + t0 * stride_ot + r, acc * scale)
+        tl.store(out_mod + split * stride_os + t0 * stride_ot + r, acc * scale)
     else:
         m = tl.arange(0, BLOCK_M)
         mmask = m < tlen
@@ -112,17 +128,18 @@ def sgmv_shrink_kernel(
                 acc2 = tl.dot(xt, tl.trans(a.to(xt.dtype)), acc2, input_precision=DOT_PREC)
             else:
                 acc2 += tl.sum(xt.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :], axis=2)
-        ptrs = out_ptr + split * stride_os + tok[:, None] * stride_ot + r[None, :]
+        ptrs = out_mod + split * stride_os + tok[:, None] * stride_ot + r[None, :]
         tl.store(ptrs, acc2 * scale, mask=mmask[:, None])
 
 
 @dual_kernel
 def sgmv_expand_kernel(
-    s_ptr,  # [SPLIT, T, >= rank] shrink output (partials summed here), any float dtype
+    s_ptr,  # [SPLIT, T, G * SR] shrink output (partials summed here), module g from column g * stride_sg
     stride_ss,
     stride_st,
+    stride_sg,
     num_splits,
-    y_ptr,  # [T, N] updated in place (may be a column slice: unit column stride only)
+    y_ptr,  # [T, N] updated in place (may be a column slice: unit column stride only); module g owns [lo_g, hi_g)
     stride_yt,
     pool_ptr,  # [R, D] pool rows, contiguous
     tile_seg_ptr,
@@ -132,8 +149,11 @@ def sgmv_expand_kernel(
     stride_lay,
     pages_ptr,
     stride_pg,
-    lay_off,
+    lay_off,  # offset of (layer, first module) in a segment's layout
+    lay_mstride,  # layout offset from one module to the next
     rows_per_page,
+    b1,  # first column of module 1 (N with one module)
+    b2,  # first column of module 2 (N with fewer than three)
     N,
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -148,13 +168,20 @@ def sgmv_expand_kernel(
     t0 = tl.load(tile_start_ptr + tile).to(tl.int64)
     tlen = tl.load(tile_len_ptr + tile)
     segc = tl.maximum(seg, 0)
-    rank = tl.load(layout_ptr + segc * stride_lay + lay_off)
-    rank = tl.where(seg >= 0, rank, 0)
-    b_row = tl.load(layout_ptr + segc * stride_lay + lay_off + 2)
 
-    n0 = nb * BLOCK_N
+    n0 = nb * BLOCK_N  # first column of y of this block; the whole block lies in module g
+    g = (n0 >= b1).to(tl.int32) + (n0 >= b2).to(tl.int32)
+    lo = tl.where(g == 0, 0, tl.where(g == 1, b1, b2))
+    hi = tl.where(g == 0, b1, tl.where(g == 1, b2, N))
+    lay = layout_ptr + segc * stride_lay + lay_off + g * lay_mstride
+    rank = tl.load(lay)  # 0 where the segment's adapter has no slot for this module: y left alone
+    rank = tl.where(seg >= 0, rank, 0)
+    b_row = tl.load(lay + 2)
+    s_mod = s_ptr + g * stride_sg  # this module's partial columns
+    nm = n0 - lo  # first column of the block inside its module (a multiple of BLOCK_N, as lo is of D)
+
     n = tl.arange(0, BLOCK_N)
-    nr = N // D  # pool rows per row of B^T
+    nr = (hi - lo) // D  # pool rows per row of B^T
     page_row = pages_ptr + segc * stride_pg
     n_rc = tl.cdiv(rank, R_CHUNK)  # 0 without an adapter: y is then neither read nor written
     n_lim = tl.where(rank > 0, BLOCK_N, 0)  # columns of y this program touches
@@ -166,11 +193,11 @@ def sgmv_expand_kernel(
             rmask = r < rank
             sv = tl.zeros([R_CHUNK], dtype=tl.float32)
             for sp in range(num_splits):
-                sv += tl.load(s_ptr + sp * stride_ss + t0 * stride_st + r, mask=rmask, other=0.0).to(tl.float32)
-            lrow = b_row + r * nr + n0 // D
+                sv += tl.load(s_mod + sp * stride_ss + t0 * stride_st + r, mask=rmask, other=0.0).to(tl.float32)
+            lrow = b_row + r * nr + nm // D
             page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
             prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
-            b = tl.load(pool_ptr + prow[:, None] * D + (n0 % D) + n[None, :], mask=rmask[:, None], other=0.0)
+            b = tl.load(pool_ptr + prow[:, None] * D + (nm % D) + n[None, :], mask=rmask[:, None], other=0.0)
             acc += tl.sum(sv[:, None] * b.to(tl.float32), axis=0)
         ymask = n < n_lim
         yp = y_ptr + t0 * stride_yt + n0 + n
@@ -187,12 +214,12 @@ def sgmv_expand_kernel(
             smask = mmask[:, None] & rmask[None, :]
             st = tl.zeros([BLOCK_M, R_CHUNK], dtype=tl.float32)
             for sp in range(num_splits):
-                sptr = s_ptr + sp * stride_ss + tok[:, None] * stride_st + r[None, :]
+                sptr = s_mod + sp * stride_ss + tok[:, None] * stride_st + r[None, :]
                 st += tl.load(sptr, mask=smask, other=0.0).to(tl.float32)
-            lrow = b_row + r * nr + n0 // D
+            lrow = b_row + r * nr + nm // D
             page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
             prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
-            b = tl.load(pool_ptr + prow[:, None] * D + (n0 % D) + n[None, :], mask=rmask[:, None], other=0.0)
+            b = tl.load(pool_ptr + prow[:, None] * D + (nm % D) + n[None, :], mask=rmask[:, None], other=0.0)
             if USE_DOT:
                 # s rounded to the weights' dtype, as the torch path multiplies it.
                 acc2 = tl.dot(st.to(b.dtype), b, acc2, input_precision=DOT_PREC)

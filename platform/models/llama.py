@@ -59,7 +59,7 @@ class _StepLora:
     """One step's adapter segments as the projections add them."""
 
     in_gemm: LoraBatch | None  # long segments: added in the packed GEMM's epilogue (cpu_lora_gemm)
-    rest: LoraBatch | None  # the others: added by ops.apply_lora after the GEMM
+    rest: LoraBatch | None  # the others: added by ops.apply_lora_group after the GEMM
     pool_rows: torch.Tensor  # [R, D]
     ops: KernelOps
 
@@ -212,8 +212,8 @@ class LlamaModel:
         else:
             y = linear(x, w, b, self.layout)
         if lora is not None and lora.rest is not None:
-            for mod, lo, hi in zip(c.modules, c.bounds, c.bounds[1:]):
-                lora.ops.apply_lora(y[:, lo:hi], x, lora.pool_rows, lora.rest, layer, mod)
+            # All modules of the fused projection at once: one launch pair on the Triton path, not one per module.
+            lora.ops.apply_lora_group(y, x, lora.pool_rows, lora.rest, layer, c.modules, c.bounds)
         return y
 
     @torch.inference_mode()
@@ -230,7 +230,7 @@ class LlamaModel:
         if step.lora is not None:
             lora = _StepLora(None, step.lora, pool_rows, ops)
             if ops.gemm_lora and self.gemm_lora(pool_rows.shape[1]):
-                # Long (prefill) segments' deltas inside the projections' GEMMs; the rest through apply_lora.
+                # Long (prefill) segments' deltas inside the projections' GEMMs; the rest through apply_lora_group.
                 parts = cpu_lora_gemm.split(step.lora, pool_rows.shape[1])
                 lora = _StepLora(parts.fused, parts.rest, pool_rows, ops)
         h = F.embedding(step.input_ids, self.embed)  # [T, H]

@@ -14,7 +14,7 @@ from loraplex.kernels import select_kernels
 from loraplex.kernels import cpu_sgmv
 from loraplex.kernels.dispatch import CPU_OPS, TORCH_OPS
 
-OPS = ("write_kv", "paged_attention", "lora_shrink", "lora_expand", "apply_lora")
+OPS = ("write_kv", "paged_attention", "lora_shrink", "lora_expand", "apply_lora", "apply_lora_group")
 
 
 def test_triton_is_selected_when_asked_and_matches_torch_signatures():

@@ -52,7 +52,11 @@ def attention_pointers(dt: str) -> dict[str, str]:
 def test_kernels_compile_for_sm90(dt):
     prec = "ieee" if dt == "fp32" else "tf32"
     p = sgmv_pointers(dt)
-    # D = 128 (Llama-3-8B's row width): decode and dot tiles; D = 8: the broadcast-sum fallback.
+    # D = 128 (Llama-3-8B's row width): decode and dot tiles; D = 8: the broadcast-sum fallback. The SGMV
+    # kernels are the grouped ones (apply_lora_group): the group's size, bounds and module strides are
+    # runtime arguments (i32 here), so one compile covers a single module and the q|k|v and gate|up groups.
+    assert {"lay_mstride", "sc_mstride", "rc_per_mod"} <= set(sgmv_shrink_kernel.compiled.arg_names)
+    assert {"lay_mstride", "stride_sg", "b1", "b2"} <= set(sgmv_expand_kernel.compiled.arg_names)
     for d, block in ((128, triton_sgmv.MAX_BLOCK_K), (8, 8)):
         for bm in (1, triton_sgmv.DEFAULT_BLOCK_M):
             common = dict(D=d, BLOCK_M=bm, R_CHUNK=triton_sgmv.R_CHUNK, USE_DOT=block >= 16, DOT_PREC=prec)
