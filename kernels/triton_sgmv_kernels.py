@@ -64,7 +64,10 @@ def sgmv_shrink_kernel(
     lay_mstride,  # layout offset from one module to the next
     sc_mstride,  # scales offset from one module to the next
     rc_per_mod,  # SR // R_CHUNK: rank chunks (grid axis 2 programs) per module
-    rows_per_page,
+    # A compile-time constant (one per pool geometry): the decode shrink finds the page of every element it
+    # loads, and a division by a run-time integer costs a GPU about twenty instructions where a constant's is
+    # a shift or a multiply.
+    rows_per_page: tl.constexpr,
     K,
     chunks_per_split,
     D: tl.constexpr,
@@ -151,7 +154,7 @@ def sgmv_expand_kernel(
     stride_pg,
     lay_off,  # offset of (layer, first module) in a segment's layout
     lay_mstride,  # layout offset from one module to the next
-    rows_per_page,
+    rows_per_page: tl.constexpr,  # as in the shrink
     b1,  # first column of module 1 (N with one module)
     b2,  # first column of module 2 (N with fewer than three)
     N,

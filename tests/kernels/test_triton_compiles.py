@@ -57,9 +57,11 @@ def test_kernels_compile_for_sm90(dt):
     # runtime arguments (i32 here), so one compile covers a single module and the q|k|v and gate|up groups.
     assert {"lay_mstride", "sc_mstride", "rc_per_mod"} <= set(sgmv_shrink_kernel.compiled.arg_names)
     assert {"lay_mstride", "stride_sg", "b1", "b2"} <= set(sgmv_expand_kernel.compiled.arg_names)
-    for d, block in ((128, triton_sgmv.MAX_BLOCK_K), (8, 8)):
+    # rows_per_page is a compile-time constant: a power of two (8192: a 2 MB page of 128 bf16 rows) and not (12).
+    for d, block, rpp in ((128, triton_sgmv.MAX_BLOCK_K, 8192), (8, 8, 12)):
         for bm in (1, triton_sgmv.DEFAULT_BLOCK_M):
-            common = dict(D=d, BLOCK_M=bm, R_CHUNK=triton_sgmv.R_CHUNK, USE_DOT=block >= 16, DOT_PREC=prec)
+            common = dict(D=d, BLOCK_M=bm, R_CHUNK=triton_sgmv.R_CHUNK, USE_DOT=block >= 16, DOT_PREC=prec,
+                          rows_per_page=rpp)
             compile_for_hopper(sgmv_shrink_kernel, p, dict(common, BLOCK_K=block))
             compile_for_hopper(sgmv_expand_kernel, p, dict(common, BLOCK_N=block))
     a = attention_pointers(dt)
