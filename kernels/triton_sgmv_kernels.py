@@ -10,8 +10,10 @@ pages[L // rows_per_page] * rows_per_page + L % rows_per_page of the pool viewed
 Every N chunk an expand program loads is BLOCK_N elements with BLOCK_N a power of two dividing D,
 so one chunk of one rank row never leaves its pool row: the page lookup happens once per rank row
 per chunk (an [R_CHUNK] vector) and the elements load as contiguous runs. A shrink chunk
-[R_CHUNK, BLOCK_K] of A^T covers BLOCK_K runs of `rank` consecutive elements, which may cross pool
-rows and pages at any element (ranks need not divide D): it looks up the page of every element.
+[R_CHUNK, BLOCK_K] of A^T covers BLOCK_K runs of up to R_CHUNK consecutive elements (one per k). When
+no run can cross a pool row (the rank divides D, or rank and D are multiples of R_CHUNK: ranks 1-128 that
+are powers of two with D = 128) the page is looked up once per k, a [BLOCK_K] vector; otherwise (a rank
+of 12, say) for every element. Both are _a_tile's.
 
 Ranks are mixed in one launch: rank is read per segment from the layout table and rows past it
 are masked, so a rank-8 adapter next to a rank-64 one issues rank-8 loads (shrink programs whose
@@ -37,9 +39,35 @@ module is the G = 1 case, so there is one kernel of each kind.
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from .triton_launch import dual_kernel
+
+
+@triton.jit
+def _a_tile(pool_ptr, page_row, a_row, rank, k0, r0, r, rmask, k,
+            D: tl.constexpr, rows_per_page: tl.constexpr, R_CHUNK: tl.constexpr):
+    """A^T[k0 + k, r] of one segment's (layer, module), r = r0 .. r0 + R_CHUNK - 1: [R_CHUNK, BLOCK_K], 0 past
+    the rank.
+
+    Element (r, k) is k*rank + r past logical row a_row. The decode shrink's time on an H200 followed
+    tokens, not bytes, and its per-element work was the suspect: where each k's run of ranks stays in one
+    pool row, the page, row and address are computed once per k and the ranks add an offset."""
+    if (D % rank == 0) | ((rank % R_CHUNK == 0) & (D % R_CHUNK == 0)):
+        # Names apart from the other branch's: a compiled if needs one type per name in both branches.
+        e0 = (k0 + k) * rank + r0  # [BLOCK_K] first element of each k's run
+        lrow0 = a_row + e0 // D
+        page0 = tl.load(page_row + lrow0 // rows_per_page)
+        base = (page0.to(tl.int64) * rows_per_page + lrow0 % rows_per_page) * D + e0 % D  # [BLOCK_K]
+        a = tl.load(pool_ptr + base[None, :] + (r - r0)[:, None], mask=rmask[:, None], other=0.0)
+    else:
+        e = (k0 + k)[None, :] * rank + r[:, None]  # [R_CHUNK, BLOCK_K]
+        lrow = a_row + e // D
+        page = tl.load(page_row + lrow // rows_per_page, mask=rmask[:, None], other=0)
+        prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
+        a = tl.load(pool_ptr + prow * D + e % D, mask=rmask[:, None], other=0.0)
+    return a
 
 
 @dual_kernel
@@ -106,11 +134,7 @@ def sgmv_shrink_kernel(
         acc = tl.zeros([R_CHUNK], dtype=tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * BLOCK_K
-            e = (k0 + k)[None, :] * rank + r[:, None]  # [R_CHUNK, BLOCK_K] offsets of A^T[k, r]
-            lrow = a_row + e // D
-            page = tl.load(page_row + lrow // rows_per_page, mask=rmask[:, None], other=0)
-            prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
-            a = tl.load(pool_ptr + prow * D + e % D, mask=rmask[:, None], other=0.0)
+            a = _a_tile(pool_ptr, page_row, a_row, rank, k0, rc * R_CHUNK, r, rmask, k, D, rows_per_page, R_CHUNK)
             xv = tl.load(x_ptr + t0 * stride_xt + k0 + k)  # [BLOCK_K]
             acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
         tl.store(out_mod + split * stride_os + t0 * stride_ot + r, acc * scale)
@@ -121,11 +145,7 @@ def sgmv_shrink_kernel(
         acc2 = tl.zeros([BLOCK_M, R_CHUNK], dtype=tl.float32)
         for c in range(c_lo, c_hi):
             k0 = c * BLOCK_K
-            e = (k0 + k)[None, :] * rank + r[:, None]  # [R_CHUNK, BLOCK_K] offsets of A^T[k, r]
-            lrow = a_row + e // D
-            page = tl.load(page_row + lrow // rows_per_page, mask=rmask[:, None], other=0)
-            prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
-            a = tl.load(pool_ptr + prow * D + e % D, mask=rmask[:, None], other=0.0)
+            a = _a_tile(pool_ptr, page_row, a_row, rank, k0, rc * R_CHUNK, r, rmask, k, D, rows_per_page, R_CHUNK)
             xt = tl.load(x_ptr + tok[:, None] * stride_xt + k0 + k[None, :], mask=mmask[:, None], other=0.0)
             if USE_DOT:
                 acc2 = tl.dot(xt, tl.trans(a.to(xt.dtype)), acc2, input_precision=DOT_PREC)
