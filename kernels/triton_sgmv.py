@@ -368,6 +368,11 @@ def apply_lora(
     rank = _module_rank(lora, layer, module)
     if rank == 0:
         return
+    if x.stride(1) == 1 and y.stride(1) == 1:
+        plan = _group_plan(lora, pool_rows, x, y, (module,), (0, y.shape[1]), rank, split)
+        if plan is not None:
+            plan.launch(y, x, layer)
+            return
     partial = _shrink_partials(x, pool_rows, lora, layer, (module,), rank, split)
     _expand_in_place(y, partial, pool_rows, lora, layer, (module,), (0, y.shape[1]))
 
@@ -389,13 +394,85 @@ def apply_lora_group(
     module of lower rank leaves the tail of its band zero. Modules a launch cannot group (not
     consecutive, more than MAX_GROUP, widths D does not divide) go one by one through apply_lora.
     """
-    assert y.shape[1] == bounds[-1], (tuple(y.shape), bounds)
+    modules, bounds = tuple(modules), tuple(bounds)
+    rank = _group_rank(lora, layer, modules)
+    if rank == 0:
+        return
+    if x.stride(1) == 1 and y.stride(1) == 1:
+        plan = _group_plan(lora, pool_rows, x, y, modules, bounds, rank, split)
+        if plan is not None:
+            plan.launch(y, x, layer)
+            return
     if not groupable(modules, bounds, pool_rows.shape[1]):
         for m, lo, hi in zip(modules, bounds, bounds[1:]):
             apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m, split=split)
         return
-    rank = _group_rank(lora, layer, modules)
-    if rank == 0:
-        return
     partial = _shrink_partials(x, pool_rows, lora, layer, modules, rank, split)
     _expand_in_place(y, partial, pool_rows, lora, layer, modules, bounds)
+
+
+class _GroupPlan:
+    """apply_lora_group's launches for one step and one group shape, built at the step's first layer and
+    reused by the others: on a GPU a call's host work is all the time it costs (the H200 run: 35-65 us per
+    launch eager against ~6 us replayed), and everything but the layer's offsets and the activations is
+    the same at every layer. The float32 partials are one buffer for the step: each call's expand reads
+    it before the next call's shrink writes it, in stream order."""
+
+    def __init__(self, lora: LoraBatch, pool_rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                 modules: tuple[int, ...], bounds: tuple[int, ...], sr: int, split: int):
+        G, D, K, N = len(modules), pool_rows.shape[1], x.shape[1], y.shape[1]
+        dev = x.device
+        block_k, block_n = pow2_divisor(D, MAX_BLOCK_K), pow2_divisor(D, MAX_BLOCK_N)
+        rc_per_mod = sr // R_CHUNK
+        self.seg = seg = SegmentTables.of(lora)
+        self.m0 = modules[0]
+        self.partial = torch.empty(split, x.shape[0], G * sr, dtype=torch.float32, device=dev)  # [split, T, G*SR]
+        self.pool_rows = pool_rows
+        b1, b2 = (list(bounds[1:-1]) + [N, N])[:2]
+        ps = self.partial
+        prec = dot_precision(x.dtype)
+        self.shrinks, self.expands = [], []
+        for table in _tiles(lora, DEFAULT_BLOCK_M, dev).tables:
+            # Arguments in kernel order around the per-call ones: (x, x stride) + head + (layout, scale
+            # offsets) + tail for the shrink; (y, y stride) between head and mid + (layout offset) + tail.
+            self.shrinks.append((
+                sgmv_shrink_kernel.on(dev)[(table.num_tiles, split, G * rc_per_mod)],
+                (pool_rows, ps, ps.stride(0), ps.stride(1), table.seg, table.start, table.length,
+                 seg.layout, seg.layout.stride(0), seg.scales, seg.scales.stride(0), seg.pages, seg.pages.stride(0)),
+                (seg.layout.stride(2), seg.scales.stride(2), rc_per_mod, seg.rows_per_page, K, -(-(K // block_k) // split)),
+                dict(D=D, BLOCK_M=table.block_m, BLOCK_K=block_k, R_CHUNK=R_CHUNK, USE_DOT=block_k >= 16,
+                     DOT_PREC=prec)))
+            self.expands.append((
+                sgmv_expand_kernel.on(dev)[(table.num_tiles, N // block_n)],
+                (ps, ps.stride(0), ps.stride(1), sr, split),
+                (pool_rows, table.seg, table.start, table.length, seg.layout, seg.layout.stride(0), seg.pages,
+                 seg.pages.stride(0)),
+                (seg.layout.stride(2), seg.rows_per_page, b1, b2, N),
+                dict(D=D, BLOCK_M=table.block_m, BLOCK_N=block_n, R_CHUNK=R_CHUNK, USE_DOT=block_n >= 16,
+                     DOT_PREC=prec)))
+
+    def launch(self, y: torch.Tensor, x: torch.Tensor, layer: int) -> None:  # y [T, N] += ..., x [T, K]
+        lay_off = self.seg.layout_offset(layer, self.m0)
+        sc_off = self.seg.scale_offset(layer, self.m0)
+        for kernel, head, tail, consts in self.shrinks:
+            kernel(x, x.stride(0), *head, lay_off, sc_off, *tail, **consts)
+        for kernel, s_args, head, tail, consts in self.expands:
+            kernel(*s_args, y, y.stride(0), *head, lay_off, *tail, **consts)
+
+
+def _group_plan(lora: LoraBatch, pool_rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                modules: tuple[int, ...], bounds: tuple[int, ...], rank: int, split: int | None) -> _GroupPlan | None:
+    """The step's cached plan for this group shape (None where one launch cannot serve the group)."""
+    sr = -(-rank // R_CHUNK) * R_CHUNK
+    key = ("triton_group_plan", modules, bounds, x.shape[1], x.dtype, sr, split, pool_rows.data_ptr())
+    plan = lora.plan_cache.get(key)
+    if plan is None:
+        D = pool_rows.shape[1]
+        if not groupable(modules, bounds, D) or D % pow2_divisor(D, MAX_BLOCK_N):
+            return None
+        if split is None:
+            k_chunks = x.shape[1] // pow2_divisor(D, MAX_BLOCK_K)
+            split = _choose_split(x.device, _tiles(lora, DEFAULT_BLOCK_M, x.device).num_tiles * len(modules)
+                                  * (sr // R_CHUNK), k_chunks)
+        plan = lora.plan_cache[key] = _GroupPlan(lora, pool_rows, x, y, modules, bounds, sr, split)
+    return plan

@@ -286,3 +286,22 @@ def test_torch_backend_loops_over_modules_and_agrees():
     calls = []
     per_module(lambda *a: calls.append((a[0].shape[1], a[5])))(y_torch, case.x, rows, case.lora, 0, QKV, spec.bounds)
     assert calls == [(48, 0), (16, 1), (16, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_steps_plan_is_built_once_and_serves_every_layer(dtype):
+    """The launches of a group are planned at a step's first call and reused at the next layer (the host
+    work the plan saves is what a GPU step waits for): each layer's result still matches its reference, and
+    the step holds one plan for the group's shape."""
+    seed = fresh_seed()
+    specs = [GroupSpec(d=16, rows_per_page=4, in_features=32, modules=QKV, widths=(48, 16, 16), layer=layer,
+                       ranks=((8, 16, 3), (16, 0, 16), (4, 4, 4)), req_lens=(1, 5, 1, 3), popularity="distinct",
+                       no_adapter_share=0.0, sort=False, empty_segments=0, seed=seed) for layer in (0, 1)]
+    cases = [build_group_case(s, dtype) for s in specs]  # the same adapters, batch and inputs; layers 0 and 1
+    lora, rows = cases[0].lora, cases[0].pool.rows()
+    for spec, case in zip(specs, cases):
+        y = case.y0.clone()
+        triton_sgmv.apply_lora_group(y, case.x, rows, lora, spec.layer, QKV, spec.bounds)
+        assert rel_err(y.cpu(), case.y0.double().cpu() + case.delta_ref) < TOL[dtype]
+        assert_untouched_kept(spec, case, y)
+    assert len([k for k in lora.plan_cache if k[0] == "triton_group_plan"]) == 1
