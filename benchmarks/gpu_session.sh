@@ -7,7 +7,8 @@
 # 1. loraplex (built from this checkout) and the wheels in .whl/ (SQLAlchemy, alembic, Mako, greenlet for
 #    CPython 3.12: the adapter store's imports) into /tmp/lp-site; nothing is fetched;
 # 2. benchmarks/kernels_gpu.py (issue 3: ceilings, SGMV, paged attention) -> OUT_DIR/kernels_gpu.{json,md};
-# 3. benchmarks/e2e/run.py --quick --gpu (issue 7) with what is left of TOTAL_S (default 540 s) ->
+# 3. benchmarks/step_profile.py --gpu (where a decode step's host and device time go) -> OUT_DIR/step_profile.json;
+# 4. benchmarks/e2e/run.py --quick --gpu (issue 7) with what is left of TOTAL_S (default 540 s) ->
 #    OUT_DIR/e2e_quick_gpu.{json,png}; its JSON is rewritten after each part, so a stop keeps the parts done.
 # Logs: OUT_DIR/session.log. Fetch the wheels first (see benchmarks/README.md, "GPU runs").
 set -u -o pipefail
@@ -30,8 +31,12 @@ export PYTHONPATH=$site
 python3 -c 'import loraplex.kernels, loraplex.engine, loraplex.adapter_store.host_cache; print("loraplex imports")' || exit 1
 
 echo "== kernels_gpu.py ($((SECONDS - start)) s in)"
-timeout 280 python3 benchmarks/kernels_gpu.py --out "$out" --budget-s 200
+timeout 200 python3 benchmarks/kernels_gpu.py --out "$out" --budget-s 110
 echo "kernels_gpu exit $? ($((SECONDS - start)) s in)"
+
+echo "== step_profile.py ($((SECONDS - start)) s in)"
+timeout 150 python3 benchmarks/step_profile.py --gpu --adapters 16 --out "$out"
+echo "step_profile exit $? ($((SECONDS - start)) s in)"
 
 left=$((total - (SECONDS - start) - 10))
 echo "== e2e --quick --gpu with ${left} s"
