@@ -115,13 +115,61 @@ def write_kv(
         return
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
-    assert kv_pool.stride(4) == 1
-    write_kv_kernel.on(k.device)[(T,)](
-        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_pool, kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
-        meta.slot_pages[layer], meta.slot_offsets, kvh, hd,
-        BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(hd),
-    )
+    key = ("triton_write_kv", T, kvh, hd, kv_pool.data_ptr())
+    plan = meta.plan_cache.get(key)
+    if plan is None:  # the same at every layer of the step (see _AttentionPlan)
+        assert kv_pool.stride(4) == 1
+        plan = meta.plan_cache[key] = (
+            write_kv_kernel.on(k.device)[(T,)],
+            (kv_pool, kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3)),
+            dict(BLOCK_H=triton.next_power_of_2(kvh), BLOCK_D=triton.next_power_of_2(hd)))
+    kernel, pool_args, consts = plan
+    kernel(k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *pool_args,
+           meta.slot_pages[layer], meta.slot_offsets, kvh, hd, **consts)
+
+
+class _AttentionPlan:
+    """One tile table's launches for a step, built at its first layer and reused by the others: on a GPU the
+    wrappers' host time is what a decode step waits for (write_kv + paged_attention with 4 splits: 23.8 us
+    per layer before, launches not counted), and only the layer's block tables and the activations change
+    from layer to layer. The split-KV partials are one set of buffers for the step, in stream order."""
+
+    def __init__(self, q: torch.Tensor, kv_pool: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+                 tiles: AttentionTiles, group: int, num_splits: int, block_n: int, num_warps: int):
+        kvh, hd = kv_pool.shape[3], kv_pool.shape[4]
+        block_d = max(16, triton.next_power_of_2(hd))  # tl.dot needs K >= 16 on a GPU
+        dev = q.device
+        self.num_splits = num_splits
+        if num_splits > 1:
+            part_m = torch.empty(tiles.num_tiles, kvh, num_splits, tiles.block_m, dtype=torch.float32, device=dev)
+            part_l = torch.empty_like(part_m)
+            part_acc = torch.empty(*part_m.shape, block_d, dtype=torch.float32, device=dev)
+            self.parts: tuple | None = (part_m, part_l, part_acc)
+        else:
+            self.parts = None  # the kernel takes out in their place and never touches them
+        self.attention = paged_attention_kernel.on(dev)[(tiles.num_tiles, kvh, num_splits)]
+        self.pool_args = (kv_pool, kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3))
+        self.tile_args = (meta.query_start, meta.seq_lens, tiles.seq, tiles.start, tiles.length)
+        self.hd = hd
+        self.consts = dict(GROUP=group, BLOCK_SIZE=meta.block_size, BLOCK_M=tiles.block_m, BLOCK_N=block_n,
+                           BLOCK_D=block_d, NUM_SPLITS=num_splits, DOT_PREC=dot_precision(q.dtype),
+                           num_warps=num_warps)
+        if num_splits > 1:
+            self.combine = attention_combine_kernel.on(dev)[(tiles.num_tiles, kvh)]
+            self.combine_consts = dict(GROUP=group, BLOCK_M=tiles.block_m, BLOCK_D=block_d, NUM_SPLITS=num_splits)
+            self.combine_tiles = (tiles.start, tiles.length)
+
+    def launch(self, q: torch.Tensor, out: torch.Tensor, tables: torch.Tensor, scale: float) -> None:
+        parts = self.parts if self.parts is not None else (out, out, out)
+        query_start, seq_lens, seq, start, length = self.tile_args
+        self.attention(
+            q, q.stride(0), q.stride(1), *self.pool_args, out, out.stride(0), out.stride(1), *parts,
+            tables, tables.stride(0), query_start, seq_lens, seq, start, length, scale * LOG2E, self.hd,
+            **self.consts,
+        )
+        if self.parts is not None:
+            self.combine(out, out.stride(0), out.stride(1), *self.parts, *self.combine_tiles, self.hd,
+                         **self.combine_consts)
 
 
 def _launch(
@@ -137,33 +185,13 @@ def _launch(
     block_n: int,
     num_warps: int,
 ) -> None:
-    kvh, hd = kv_pool.shape[3], kv_pool.shape[4]
-    block_d = max(16, triton.next_power_of_2(hd))  # tl.dot needs K >= 16 on a GPU
-    tables = meta.block_tables[layer]  # [S, max_blocks]
-    dev = q.device
-    if num_splits > 1:
-        part_m = torch.empty(tiles.num_tiles, kvh, num_splits, tiles.block_m, dtype=torch.float32, device=dev)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(*part_m.shape, block_d, dtype=torch.float32, device=dev)
-    else:
-        part_m = part_l = part_acc = out  # unused by the kernel when NUM_SPLITS == 1
-    paged_attention_kernel.on(dev)[(tiles.num_tiles, kvh, num_splits)](
-        q, q.stride(0), q.stride(1),
-        kv_pool, kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
-        out, out.stride(0), out.stride(1),
-        part_m, part_l, part_acc,
-        tables, tables.stride(0), meta.query_start, meta.seq_lens,
-        tiles.seq, tiles.start, tiles.length,
-        scale * LOG2E, hd,
-        GROUP=group, BLOCK_SIZE=meta.block_size, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, DOT_PREC=dot_precision(q.dtype), num_warps=num_warps,
-    )
-    if num_splits > 1:
-        attention_combine_kernel.on(dev)[(tiles.num_tiles, kvh)](
-            out, out.stride(0), out.stride(1), part_m, part_l, part_acc,
-            tiles.start, tiles.length, hd,
-            GROUP=group, BLOCK_M=tiles.block_m, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        )
+    key = ("triton_attn_plan", id(tiles), tuple(q.shape), q.dtype, kv_pool.data_ptr(), num_splits, block_n,
+           num_warps)
+    plan = meta.plan_cache.get(key)
+    if plan is None:
+        plan = meta.plan_cache[key] = _AttentionPlan(q, kv_pool, out, meta, tiles, group, num_splits, block_n,
+                                                     num_warps)
+    plan.launch(q, out, meta.block_tables[layer], scale)
 
 
 def paged_attention(

@@ -6,8 +6,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from loraplex.kernels import triton_sgmv_kernels as kernels
-
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_host_overhead.py"
 
 
@@ -16,7 +14,8 @@ def test_times_both_entry_points_and_restores_the_launchers():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    before = (kernels.sgmv_shrink_kernel.on, kernels.sgmv_expand_kernel.on)
+    before = [k.on for k in module.KERNELS]
     out = module.main(["--calls", "20"])
-    assert set(out) == {"apply_lora_group (q|k|v)", "apply_lora (q)"} and all(v > 0 for v in out.values())
-    assert (kernels.sgmv_shrink_kernel.on, kernels.sgmv_expand_kernel.on) == before
+    assert set(out) == {"apply_lora_group (q|k|v)", "apply_lora (q)", "write_kv + paged_attention (4 splits)"}
+    assert all(v > 0 for v in out.values())
+    assert [k.on for k in module.KERNELS] == before

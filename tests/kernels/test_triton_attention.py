@@ -70,3 +70,23 @@ def test_decode_split_kv_long_context():
                          layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     for splits in (1, 2, 4):
         check_attention(spec, torch.float32, splits=splits, prefill_block_m=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_steps_plan_serves_every_layer(dtype):
+    """The launches are planned at a step's first layer and reused at the next (the host time they save is
+    what a GPU decode step waits for): each layer, split 2 ways, still matches its reference, and write_kv
+    fills each layer's own pages."""
+    spec = AttentionSpec(block_size=4, kv_heads=2, group=3, head_dim=16, seqs=((9, 1), (0, 6), (14, 1)), layer=0,
+                         seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    case = build_attention_case(spec, dtype, poison_unused=True)
+    meta, kv = case.meta, case.kv_pool
+    expected = kv.clone()
+    for layer in (0, 1):
+        torch_attention.write_kv(expected, case.k, case.v, meta, layer)
+        triton_attention.write_kv(kv, case.k, case.v, meta, layer)
+        torch.testing.assert_close(kv, expected, rtol=0, atol=0, equal_nan=True)
+        out = torch.full_like(case.q, math.nan)
+        triton_attention.paged_attention(case.q, kv, meta, layer, case.scale, out=out, decode_splits=2)
+        assert rel_err(out.cpu(), attention_ref(case.q, expected, meta, layer, case.scale)) < TOL[dtype]
+    assert len([k for k in meta.plan_cache if k[0] == "triton_attn_plan"]) == 2  # decode and prefill tiles
