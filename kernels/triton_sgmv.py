@@ -427,14 +427,13 @@ class _GroupPlan:
         self.seg = seg = SegmentTables.of(lora)
         self.m0 = modules[0]
         self.partial = torch.empty(split, x.shape[0], G * sr, dtype=torch.float32, device=dev)  # [split, T, G*SR]
-        self.pool_rows = pool_rows
         b1, b2 = (list(bounds[1:-1]) + [N, N])[:2]
         ps = self.partial
         prec = dot_precision(x.dtype)
         self.shrinks, self.expands = [], []
         for table in _tiles(lora, DEFAULT_BLOCK_M, dev).tables:
-            # Arguments in kernel order around the per-call ones: (x, x stride) + head + (layout, scale
-            # offsets) + tail for the shrink; (y, y stride) between head and mid + (layout offset) + tail.
+            # The kernels' arguments in order, split around the per-call ones: shrink (x, x stride) + head +
+            # (layout, scale offsets) + tail; expand partials + (y, y stride) + head + (layout offset) + tail.
             self.shrinks.append((
                 sgmv_shrink_kernel.on(dev)[(table.num_tiles, split, G * rc_per_mod)],
                 (pool_rows, ps, ps.stride(0), ps.stride(1), table.seg, table.start, table.length,
