@@ -122,8 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--pool-mib", type=float, default=None)
     ap.add_argument("--out", type=Path, default=None, help="folder for step_profile.json")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="where the --gpu model and the adapters are written (e2e/run.py --work-dir reuses the model)")
     args = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="lp-step-"))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="lp-step-"))
     model = args.model
     if args.gpu and model is None:
         from e2e.gpu_model import make_qwen25_15b_shape
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     names = []
     for i in range(args.adapters):
         name = f"p{i}"
-        engine.load_adapter(name, write_random_adapter(work / name, engine.model_config, RANK, seed=i))
+        engine.load_adapter(name, write_random_adapter(work / "profile-adapters" / name, engine.model_config, RANK,
+                                                        seed=i))
         names.append(name)
     engine.warmup()
     cases = [profile_case(engine, args.batch, args.context, [None], args.steps, args.top)]
