@@ -79,6 +79,37 @@ def test_build_names_carry_the_cpu_identity(monkeypatch):
     assert len(set(names)) == 2 and all(n.startswith("loraplex_cpu_pack_") for n in names)
 
 
+def test_two_checkouts_of_the_same_sources_build_apart(monkeypatch, tmp_path):
+    # torch rebuilds a named extension when its sources' path changes: the same sources in another folder
+    # (a fresh clone beside the working checkout) get their own build name, so neither rebuilds the other's.
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    from loraplex.kernels import cpu_build
+
+    other = tmp_path / "kernels"
+    other.mkdir()
+    here = Path(cpu_build.__file__).parent
+    for f in [here / "cpu_pack.cpp", *here.glob("*.h")]:
+        shutil.copy(f, other / f.name)
+    names = []
+
+    def fake_load(name, **kw):
+        names.append((name, kw["sources"][0]))
+        raise RuntimeError("not built in this test")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    with pytest.raises(RuntimeError):
+        cpu_build._compile("cpu_pack")
+    monkeypatch.setattr(cpu_build, "__file__", str(other / "cpu_build.py"))
+    with pytest.raises(RuntimeError):
+        cpu_build._compile("cpu_pack")
+    (first, src_a), (second, src_b) = names
+    assert src_a != src_b and Path(src_b).parent == other
+    assert first != second and first.startswith("loraplex_cpu_pack_") and second.startswith("loraplex_cpu_pack_")
+
+
 def test_a_lock_left_by_a_killed_build_is_cleared_and_the_build_runs(monkeypatch, tmp_path):
     # torch's cpp_extension waits without a timeout while a build folder's lock file exists; a process killed
     # during its build leaves one, and every later start would hang. Builds hold an flock, which dies with its
