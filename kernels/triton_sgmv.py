@@ -18,7 +18,7 @@ the launches, not the bytes, cost the time. A single module is the group of one.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -201,6 +201,57 @@ def groupable(modules: Sequence[int], bounds: Sequence[int], d: int) -> bool:
             and all((hi - lo) % d == 0 and hi > lo for lo, hi in zip(bounds, bounds[1:])))
 
 
+# A launch with everything bound but what changes from layer to layer: shrink (x, layout offset, scale
+# offset), expand (y, layout offset). Built once per step by _GroupPlan, or per call by the entry points below.
+ShrinkLaunch = Callable[[torch.Tensor, int, int], None]
+ExpandLaunch = Callable[[torch.Tensor, int], None]
+
+
+def _shrink_launches(partial: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, modules: Sequence[int],
+                     K: int, dtype: torch.dtype, block_m: int) -> list[ShrinkLaunch]:
+    """One launch per tile table of sgmv_shrink_kernel into partial [split, T, G * SR] (x is [T, K])."""
+    split, _, width = partial.shape
+    G = len(modules)
+    rc_per_mod = width // G // R_CHUNK
+    D = pool_rows.shape[1]
+    block_k = pow2_divisor(D, MAX_BLOCK_K)
+    seg = SegmentTables.of(lora)
+    launches = []
+    for table in _tiles(lora, block_m, partial.device).tables:
+        kernel = sgmv_shrink_kernel.on(partial.device)[(table.num_tiles, split, G * rc_per_mod)]
+        # The kernel's arguments in order, around the per-call ones: (x, x stride) + head + offsets + tail.
+        head = (pool_rows, partial, partial.stride(0), partial.stride(1), table.seg, table.start, table.length,
+                seg.layout, seg.layout.stride(0), seg.scales, seg.scales.stride(0), seg.pages, seg.pages.stride(0))
+        tail = (seg.layout.stride(2), seg.scales.stride(2), rc_per_mod, seg.rows_per_page, K, -(-(K // block_k) // split))
+        consts = dict(D=D, BLOCK_M=table.block_m, BLOCK_K=block_k, R_CHUNK=R_CHUNK, USE_DOT=block_k >= 16,
+                      DOT_PREC=dot_precision(dtype))
+        launches.append(lambda x, lay_off, sc_off, kernel=kernel, head=head, tail=tail, consts=consts: kernel(
+            x, x.stride(0), *head, lay_off, sc_off, *tail, **consts))
+    return launches
+
+
+def _expand_launches(s: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, modules: Sequence[int],
+                     bounds: Sequence[int], dtype: torch.dtype, block_m: int) -> list[ExpandLaunch]:
+    """One launch per tile table of sgmv_expand_kernel from s [split, T, G * SR] into y [T, bounds[-1]]."""
+    G, D, N = len(modules), pool_rows.shape[1], bounds[-1]
+    block_n = pow2_divisor(D, MAX_BLOCK_N)  # divides D, and D each module's width: a block lies in one module
+    b1, b2 = (list(bounds[1:-1]) + [N, N])[:2]
+    seg = SegmentTables.of(lora)
+    launches = []
+    for table in _tiles(lora, block_m, s.device).tables:
+        kernel = sgmv_expand_kernel.on(s.device)[(table.num_tiles, N // block_n)]
+        # The kernel's arguments in order, around the per-call ones: partials + (y, y stride) + head + offset + tail.
+        s_args = (s, s.stride(0), s.stride(1), s.shape[2] // G, s.shape[0])
+        head = (pool_rows, table.seg, table.start, table.length, seg.layout, seg.layout.stride(0), seg.pages,
+                seg.pages.stride(0))
+        tail = (seg.layout.stride(2), seg.rows_per_page, b1, b2, N)
+        consts = dict(D=D, BLOCK_M=table.block_m, BLOCK_N=block_n, R_CHUNK=R_CHUNK, USE_DOT=block_n >= 16,
+                      DOT_PREC=dot_precision(dtype))
+        launches.append(lambda y, lay_off, kernel=kernel, s_args=s_args, head=head, tail=tail, consts=consts: kernel(
+            *s_args, y, y.stride(0), *head, lay_off, *tail, **consts))
+    return launches
+
+
 def sgmv_shrink_group_into(
     partial: torch.Tensor,  # [split, T, G * SR] float32, SR a multiple of R_CHUNK; every element written
     x: torch.Tensor,  # [T, K], unit column stride
@@ -211,29 +262,13 @@ def sgmv_shrink_group_into(
     block_m: int = DEFAULT_BLOCK_M,
 ) -> None:
     """partial[s, t, g*SR + r] = scale * sum over split s's share of K of x[t, k] * A_g[r, k] (0 past the rank)."""
-    split, T, width = partial.shape
     G = len(modules)
     assert x.stride(1) == 1 and pool_rows.is_contiguous() and partial.stride(2) == 1
-    assert width % (G * R_CHUNK) == 0 and T == lora.num_tokens
+    assert partial.shape[2] % (G * R_CHUNK) == 0 and partial.shape[1] == lora.num_tokens
     assert all(m == modules[0] + g for g, m in enumerate(modules)) and G <= MAX_GROUP, modules
-    rc_per_mod = width // G // R_CHUNK
-    D = pool_rows.shape[1]
-    K = x.shape[1]
-    block_k = pow2_divisor(D, MAX_BLOCK_K)
-    k_chunks = K // block_k
-    per_split = -(-k_chunks // split)
     seg = SegmentTables.of(lora)
-    for table in _tiles(lora, block_m, x.device).tables:
-        sgmv_shrink_kernel.on(x.device)[(table.num_tiles, split, G * rc_per_mod)](
-            x, x.stride(0), pool_rows, partial, partial.stride(0), partial.stride(1),
-            table.seg, table.start, table.length,
-            seg.layout, seg.layout.stride(0), seg.scales, seg.scales.stride(0), seg.pages, seg.pages.stride(0),
-            seg.layout_offset(layer, modules[0]), seg.scale_offset(layer, modules[0]),
-            seg.layout.stride(2), seg.scales.stride(2), rc_per_mod,
-            seg.rows_per_page, K, per_split,
-            D=D, BLOCK_M=table.block_m, BLOCK_K=block_k, R_CHUNK=R_CHUNK,
-            USE_DOT=block_k >= 16, DOT_PREC=dot_precision(x.dtype),
-        )
+    for launch in _shrink_launches(partial, pool_rows, lora, modules, x.shape[1], x.dtype, block_m):
+        launch(x, seg.layout_offset(layer, modules[0]), seg.scale_offset(layer, modules[0]))
 
 
 def sgmv_shrink_into(
@@ -262,24 +297,11 @@ def sgmv_expand_group_from(
     """y[t, cols of g] += sum_r (sum_s s[s, t, g*SR + r]) * B_g^T[r] for every token t in a segment carrying
     (layer, modules[g]); the columns of a module the token's adapter lacks are untouched."""
     assert y.stride(1) == 1 and s.stride(2) == 1 and pool_rows.is_contiguous()
-    G = len(modules)
     D = pool_rows.shape[1]
-    N = y.shape[1]
-    assert N == bounds[-1] and groupable(modules, bounds, D), (modules, bounds, D)
-    block_n = pow2_divisor(D, MAX_BLOCK_N)
-    assert D % block_n == 0  # with D dividing each module's width: a block lies inside one module
-    b1, b2 = (list(bounds[1:-1]) + [N, N])[:2]
+    assert y.shape[1] == bounds[-1] and groupable(modules, bounds, D), (modules, bounds, D)
     seg = SegmentTables.of(lora)
-    for table in _tiles(lora, block_m, y.device).tables:
-        sgmv_expand_kernel.on(y.device)[(table.num_tiles, N // block_n)](
-            s, s.stride(0), s.stride(1), s.shape[2] // G, s.shape[0],
-            y, y.stride(0), pool_rows,
-            table.seg, table.start, table.length,
-            seg.layout, seg.layout.stride(0), seg.pages, seg.pages.stride(0),
-            seg.layout_offset(layer, modules[0]), seg.layout.stride(2), seg.rows_per_page, b1, b2, N,
-            D=D, BLOCK_M=table.block_m, BLOCK_N=block_n, R_CHUNK=R_CHUNK,
-            USE_DOT=block_n >= 16, DOT_PREC=dot_precision(y.dtype),
-        )
+    for launch in _expand_launches(s, pool_rows, lora, modules, bounds, y.dtype, block_m):
+        launch(y, seg.layout_offset(layer, modules[0]))
 
 
 def sgmv_expand_from(
@@ -295,28 +317,9 @@ def sgmv_expand_from(
     sgmv_expand_group_from(y, s, pool_rows, lora, layer, (module,), (0, y.shape[1]), block_m)
 
 
-def _shrink_partials(x: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, layer: int, modules: Sequence[int],
-                     rank: int, split: int | None) -> torch.Tensor:  # [split, T, G * SR] float32
-    x = x if x.stride(1) == 1 else x.contiguous()
-    sr = -(-rank // R_CHUNK) * R_CHUNK
-    G = len(modules)
-    if split is None:
-        tiles = _tiles(lora, DEFAULT_BLOCK_M, x.device)
-        k_chunks = x.shape[1] // pow2_divisor(pool_rows.shape[1], MAX_BLOCK_K)
-        split = _choose_split(x.device, tiles.num_tiles * G * (sr // R_CHUNK), k_chunks)
-    partial = torch.empty(split, x.shape[0], G * sr, dtype=torch.float32, device=x.device)
-    sgmv_shrink_group_into(partial, x, pool_rows, lora, layer, modules)
-    return partial
-
-
-def _expand_in_place(y: torch.Tensor, s: torch.Tensor, pool_rows: torch.Tensor, lora: LoraBatch, layer: int,
-                     modules: Sequence[int], bounds: Sequence[int]) -> None:
-    if y.stride(1) == 1:
-        sgmv_expand_group_from(y, s, pool_rows, lora, layer, modules, bounds)
-        return
-    tmp = y.contiguous()  # a rare caller's layout: update a copy, then write it back
-    sgmv_expand_group_from(tmp, s, pool_rows, lora, layer, modules, bounds)
-    y.copy_(tmp)
+def _split_for(lora: LoraBatch, pool_rows: torch.Tensor, K: int, programs_per_tile: int, device: torch.device) -> int:
+    k_chunks = K // pow2_divisor(pool_rows.shape[1], MAX_BLOCK_K)
+    return _choose_split(device, _tiles(lora, DEFAULT_BLOCK_M, device).num_tiles * programs_per_tile, k_chunks)
 
 
 def lora_shrink(
@@ -331,7 +334,11 @@ def lora_shrink(
     rank = _module_rank(lora, layer, module)
     if rank == 0:
         return out
-    partial = _shrink_partials(x, pool_rows, lora, layer, (module,), rank, None)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    sr = -(-rank // R_CHUNK) * R_CHUNK
+    split = _split_for(lora, pool_rows, x.shape[1], sr // R_CHUNK, x.device)
+    partial = torch.empty(split, x.shape[0], sr, dtype=torch.float32, device=x.device)
+    sgmv_shrink_into(partial, x, pool_rows, lora, layer, module)
     out[:, :rank] = partial.sum(0)[:, :rank].to(x.dtype)
     return out
 
@@ -347,7 +354,18 @@ def lora_expand(
     if _module_rank(lora, layer, module) == 0:
         return
     s = s if s.stride(1) == 1 else s.contiguous()
-    _expand_in_place(y, s.unsqueeze(0), pool_rows, lora, layer, (module,), (0, y.shape[1]))
+    _update(y, lambda t: sgmv_expand_from(t, s.unsqueeze(0), pool_rows, lora, layer, module))
+
+
+def _update(y: torch.Tensor, update: Callable[[torch.Tensor], None]) -> None:
+    """update(y) where y has unit column stride, as the kernels need; for a rare caller's layout, update a
+    contiguous copy and write it back."""
+    if y.stride(1) == 1:
+        update(y)
+        return
+    tmp = y.contiguous()
+    update(tmp)
+    y.copy_(tmp)
 
 
 def apply_lora(
@@ -364,17 +382,9 @@ def apply_lora(
 
     Shrink into float32 partials, then expand from them: the rank-sized intermediate is never
     rounded to the activation dtype on the decode variant (the tl.dot tiles round it, as torch does).
+    The group of one module (apply_lora_group).
     """
-    rank = _module_rank(lora, layer, module)
-    if rank == 0:
-        return
-    if x.stride(1) == 1 and y.stride(1) == 1:
-        plan = _group_plan(lora, pool_rows, x, y, (module,), (0, y.shape[1]), rank, split)
-        if plan is not None:
-            plan.launch(y, x, layer)
-            return
-    partial = _shrink_partials(x, pool_rows, lora, layer, (module,), rank, split)
-    _expand_in_place(y, partial, pool_rows, lora, layer, (module,), (0, y.shape[1]))
+    apply_lora_group(y, x, pool_rows, lora, layer, (module,), (0, y.shape[1]), split=split)
 
 
 def apply_lora_group(
@@ -392,23 +402,22 @@ def apply_lora_group(
 
     The partials are [split, T, G * SR] with SR the group's largest rank (rounded up to R_CHUNK): a
     module of lower rank leaves the tail of its band zero. Modules a launch cannot group (not
-    consecutive, more than MAX_GROUP, widths D does not divide) go one by one through apply_lora.
+    consecutive, more than MAX_GROUP) go one by one through apply_lora.
     """
     modules, bounds = tuple(modules), tuple(bounds)
+    assert y.shape[1] == bounds[-1], (tuple(y.shape), bounds)
     rank = _group_rank(lora, layer, modules)
     if rank == 0:
         return
-    if x.stride(1) == 1 and y.stride(1) == 1:
-        plan = _group_plan(lora, pool_rows, x, y, modules, bounds, rank, split)
-        if plan is not None:
-            plan.launch(y, x, layer)
-            return
-    if not groupable(modules, bounds, pool_rows.shape[1]):
-        for m, lo, hi in zip(modules, bounds, bounds[1:]):
-            apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m, split=split)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    plan = _group_plan(lora, pool_rows, x, modules, bounds, rank, split)
+    if plan is not None:
+        _update(y, lambda t: plan.launch(t, x, layer))
         return
-    partial = _shrink_partials(x, pool_rows, lora, layer, modules, rank, split)
-    _expand_in_place(y, partial, pool_rows, lora, layer, modules, bounds)
+    # One module is always a group where its width is a multiple of D, as every projection's is.
+    assert len(modules) > 1, f"module {modules} of width {bounds[-1]} is not a multiple of D"
+    for m, lo, hi in zip(modules, bounds, bounds[1:]):
+        apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m, split=split)
 
 
 class _GroupPlan:
@@ -418,60 +427,33 @@ class _GroupPlan:
     the same at every layer. The float32 partials are one buffer for the step: each call's expand reads
     it before the next call's shrink writes it, in stream order."""
 
-    def __init__(self, lora: LoraBatch, pool_rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                 modules: tuple[int, ...], bounds: tuple[int, ...], sr: int, split: int):
-        G, D, K, N = len(modules), pool_rows.shape[1], x.shape[1], y.shape[1]
-        dev = x.device
-        block_k, block_n = pow2_divisor(D, MAX_BLOCK_K), pow2_divisor(D, MAX_BLOCK_N)
-        rc_per_mod = sr // R_CHUNK
-        self.seg = seg = SegmentTables.of(lora)
+    def __init__(self, lora: LoraBatch, pool_rows: torch.Tensor, x: torch.Tensor, modules: tuple[int, ...],
+                 bounds: tuple[int, ...], sr: int, split: int):
+        self.seg = SegmentTables.of(lora)
         self.m0 = modules[0]
-        self.partial = torch.empty(split, x.shape[0], G * sr, dtype=torch.float32, device=dev)  # [split, T, G*SR]
-        b1, b2 = (list(bounds[1:-1]) + [N, N])[:2]
-        ps = self.partial
-        prec = dot_precision(x.dtype)
-        self.shrinks, self.expands = [], []
-        for table in _tiles(lora, DEFAULT_BLOCK_M, dev).tables:
-            # The kernels' arguments in order, split around the per-call ones: shrink (x, x stride) + head +
-            # (layout, scale offsets) + tail; expand partials + (y, y stride) + head + (layout offset) + tail.
-            self.shrinks.append((
-                sgmv_shrink_kernel.on(dev)[(table.num_tiles, split, G * rc_per_mod)],
-                (pool_rows, ps, ps.stride(0), ps.stride(1), table.seg, table.start, table.length,
-                 seg.layout, seg.layout.stride(0), seg.scales, seg.scales.stride(0), seg.pages, seg.pages.stride(0)),
-                (seg.layout.stride(2), seg.scales.stride(2), rc_per_mod, seg.rows_per_page, K, -(-(K // block_k) // split)),
-                dict(D=D, BLOCK_M=table.block_m, BLOCK_K=block_k, R_CHUNK=R_CHUNK, USE_DOT=block_k >= 16,
-                     DOT_PREC=prec)))
-            self.expands.append((
-                sgmv_expand_kernel.on(dev)[(table.num_tiles, N // block_n)],
-                (ps, ps.stride(0), ps.stride(1), sr, split),
-                (pool_rows, table.seg, table.start, table.length, seg.layout, seg.layout.stride(0), seg.pages,
-                 seg.pages.stride(0)),
-                (seg.layout.stride(2), seg.rows_per_page, b1, b2, N),
-                dict(D=D, BLOCK_M=table.block_m, BLOCK_N=block_n, R_CHUNK=R_CHUNK, USE_DOT=block_n >= 16,
-                     DOT_PREC=prec)))
+        partial = torch.empty(split, x.shape[0], len(modules) * sr, dtype=torch.float32, device=x.device)
+        self.shrinks = _shrink_launches(partial, pool_rows, lora, modules, x.shape[1], x.dtype, DEFAULT_BLOCK_M)
+        self.expands = _expand_launches(partial, pool_rows, lora, modules, bounds, x.dtype, DEFAULT_BLOCK_M)
 
     def launch(self, y: torch.Tensor, x: torch.Tensor, layer: int) -> None:  # y [T, N] += ..., x [T, K]
         lay_off = self.seg.layout_offset(layer, self.m0)
         sc_off = self.seg.scale_offset(layer, self.m0)
-        for kernel, head, tail, consts in self.shrinks:
-            kernel(x, x.stride(0), *head, lay_off, sc_off, *tail, **consts)
-        for kernel, s_args, head, tail, consts in self.expands:
-            kernel(*s_args, y, y.stride(0), *head, lay_off, *tail, **consts)
+        for shrink in self.shrinks:
+            shrink(x, lay_off, sc_off)
+        for expand in self.expands:
+            expand(y, lay_off)
 
 
-def _group_plan(lora: LoraBatch, pool_rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                modules: tuple[int, ...], bounds: tuple[int, ...], rank: int, split: int | None) -> _GroupPlan | None:
-    """The step's cached plan for this group shape (None where one launch cannot serve the group)."""
+def _group_plan(lora: LoraBatch, pool_rows: torch.Tensor, x: torch.Tensor, modules: tuple[int, ...],
+                bounds: tuple[int, ...], rank: int, split: int | None) -> _GroupPlan | None:
+    """The step's cached plan for this group shape; None where one launch cannot serve the group."""
     sr = -(-rank // R_CHUNK) * R_CHUNK
     key = ("triton_group_plan", modules, bounds, x.shape[1], x.dtype, sr, split, pool_rows.data_ptr())
     plan = lora.plan_cache.get(key)
     if plan is None:
-        D = pool_rows.shape[1]
-        if not groupable(modules, bounds, D) or D % pow2_divisor(D, MAX_BLOCK_N):
+        if not groupable(modules, bounds, pool_rows.shape[1]):
             return None
         if split is None:
-            k_chunks = x.shape[1] // pow2_divisor(D, MAX_BLOCK_K)
-            split = _choose_split(x.device, _tiles(lora, DEFAULT_BLOCK_M, x.device).num_tiles * len(modules)
-                                  * (sr // R_CHUNK), k_chunks)
-        plan = lora.plan_cache[key] = _GroupPlan(lora, pool_rows, x, y, modules, bounds, sr, split)
+            split = _split_for(lora, pool_rows, x.shape[1], len(modules) * (sr // R_CHUNK), x.device)
+        plan = lora.plan_cache[key] = _GroupPlan(lora, pool_rows, x, modules, bounds, sr, split)
     return plan
