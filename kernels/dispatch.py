@@ -38,6 +38,9 @@ class KernelOps:
     # Whether the model may hand long segments' LoRA to the packed GEMM's epilogue (cpu_lora_gemm: C++,
     # CPU, float32); the other backends keep every segment in apply_lora.
     gemm_lora: bool = False
+    # Whether each kernel variant compiles at its first launch (Triton): the engine's warm-up then also runs
+    # the LoRA path, so that no request waits for those compiles.
+    compiles_at_first_launch: bool = False
 
 
 def per_module(apply_lora: Callable) -> Callable:

@@ -139,7 +139,6 @@ class _AttentionPlan:
         kvh, hd = kv_pool.shape[3], kv_pool.shape[4]
         block_d = max(16, triton.next_power_of_2(hd))  # tl.dot needs K >= 16 on a GPU
         dev = q.device
-        self.num_splits = num_splits
         if num_splits > 1:
             part_m = torch.empty(tiles.num_tiles, kvh, num_splits, tiles.block_m, dtype=torch.float32, device=dev)
             part_l = torch.empty_like(part_m)

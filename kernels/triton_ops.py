@@ -17,4 +17,5 @@ TRITON_OPS = KernelOps(
     lora_expand=triton_sgmv.lora_expand,
     apply_lora=triton_sgmv.apply_lora,
     apply_lora_group=triton_sgmv.apply_lora_group,  # one shrink and one expand launch per group
+    compiles_at_first_launch=True,
 )

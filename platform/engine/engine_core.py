@@ -202,7 +202,7 @@ class EngineCore:
                 n //= 2
         while self.has_unfinished():
             self.step()
-        if self.ops.name == "triton":
+        if self.ops.compiles_at_first_launch:
             self._warmup_lora(params)
         self._warmed_up = True
         return time.perf_counter() - t0
