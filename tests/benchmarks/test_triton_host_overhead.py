@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_host_overhead.py"
+from script_loader import load_script
 
 
 def test_times_both_entry_points_and_restores_the_launchers():
-    spec = importlib.util.spec_from_file_location("triton_host_overhead_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("triton_host_overhead.py")
     before = [k.on for k in module.KERNELS]
     out = module.main(["--calls", "20"])
     assert set(out) == {"apply_lora_group (q|k|v)", "apply_lora (q)", "write_kv + paged_attention (4 splits)"}

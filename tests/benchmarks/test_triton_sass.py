@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 pytest.importorskip("triton.backends.nvidia")
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "triton_sass.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("triton_sass_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_counts_and_the_shrinks_per_k_branch(tmp_path):
     """Every variant compiles and is counted; the decode shrink's per-k branch alone is a fraction of the
     kernel holding both branches (the per-element page lookups are the instructions it drops)."""
-    bench = load_script()
+    bench = load_script("triton_sass.py")
     both = bench.main(["--json", str(tmp_path / "sass.json")])
     fast = bench.main(["--fast-path-only"])
     assert set(both) == {"shrink BLOCK_M=1", "expand BLOCK_M=1", "shrink BLOCK_M=32", "expand BLOCK_M=32"}

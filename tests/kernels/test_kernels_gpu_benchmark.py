@@ -4,26 +4,14 @@ that times it does not spend its device time on a broken script."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_gpu.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("kernels_gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from script_loader import load_script
 
 
 def test_benchmark_dry_run_checks_and_reports(tmp_path):
-    bench = load_script()
+    bench = load_script("kernels_gpu.py")
     shapes = dataclasses.replace(bench.DRY, batches=(3,), rank_sets={"mixed": (8, 16, 64)}, popularity=("zipf",),
                                  sgmv_sweep=(), attention_sweep=())
     report = bench.run(shapes, torch.device("cpu"), tmp_path, budget_s=600, dry_run=True)
@@ -36,7 +24,7 @@ def test_benchmark_dry_run_checks_and_reports(tmp_path):
 def test_a_failing_case_is_recorded_and_listed_not_fatal(tmp_path):
     """The GPU run is one call on a lent machine: a case that raises is recorded, printed and listed under
     the tables, the others still run, and the exit status says a check failed."""
-    bench = load_script()
+    bench = load_script("kernels_gpu.py")
 
     def broken() -> dict:
         raise RuntimeError("pool too small")
