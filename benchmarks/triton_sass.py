@@ -1,17 +1,26 @@
 """Static cost of the Triton SGMV kernels on a Hopper GPU, without one: compile each variant for sm_90 with the
-ptxas inside Triton's wheel and count the SASS instructions and global loads that nvdisasm (same wheel) lists.
+ptxas inside Triton's wheel and count the SASS instructions and global loads (by width) that nvdisasm (same
+wheel) lists.
 
 A GPU session is 15 minutes; this runs anywhere in seconds, so a change to a kernel's inner loop can be judged
-by its instruction count before it is timed. Counts are of the whole kernel: where a kernel branches at run
-time (the shrink's per-k and per-element page lookups), both branches are in them; --fast-path-only compiles
-with the per-k branch alone, the path that ranks dividing D (or multiples of 16) take.
+by its instructions and the width of its loads before it is timed. The kernels are compiled as a real launch
+compiles them: the launches are those the engine's plan builds (triton_sgmv's q|k|v group, Llama-3-8B shapes,
+bf16, D = 128, rank 16), recorded on the CPU instead of run, and each argument is specialised as Triton's JIT
+specialises it on a GPU (a pointer or an integer divisible by 16 is marked so, an integer equal to 1 becomes a
+constant). Without the pointers' alignment no load can be wider than one element, whatever the kernel says.
+Counts are of the whole kernel: where a kernel branches at run time (the shrink's per-k and per-element page
+lookups), all branches are in them; --shrink-branch compiles one alone: wide (ranks that are multiples of 16,
+16-byte loads), per-k (the other ranks dividing D), per-element (the rest).
 
-    .venv/bin/python benchmarks/triton_sass.py [--fast-path-only] [--json OUT]
+    .venv/bin/python benchmarks/triton_sass.py [--shrink-branch wide|per-k|per-element] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
+import inspect
 import json
 import re
 import subprocess
@@ -22,47 +31,90 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from kernels_gpu import ensure_loraplex_importable  # noqa: E402
+import kernels_gpu as kg  # noqa: E402
 
-ensure_loraplex_importable()
-
+import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from loraplex.kernels import triton_sgmv  # noqa: E402
+
 HOPPER = GPUTarget("cuda", 90, 32)
-POINTERS = {"x_ptr": "*bf16", "pool_ptr": "*bf16", "out_ptr": "*fp32", "s_ptr": "*fp32", "y_ptr": "*bf16",
-            "tile_seg_ptr": "*i32", "tile_start_ptr": "*i32", "tile_len_ptr": "*i32", "layout_ptr": "*i32",
-            "scales_ptr": "*fp32", "pages_ptr": "*i32"}
-# Llama-3-8B's pool rows (D = 128) in 2 MB pages of bf16 rows, as kernels_gpu.py lays them out.
-COMMON = dict(D=128, R_CHUNK=16, DOT_PREC="tf32", rows_per_page=8192)
+# Few adapters, alternating token by token: every token is its own segment (the decode variant) as with 64
+# distinct adapters, and the arguments a kernel is specialised on (strides, widths, offsets) are the same.
+ADAPTERS = 4
+SHAPES = dataclasses.replace(kg.LLAMA3_8B, batches=(ADAPTERS,), rank_sets={"r16": (16,)})
 
 
-def kernels_module(fast_path_only: bool):
-    """The SGMV kernels' module; with fast_path_only, a copy whose shrink always takes the per-k branch."""
-    from loraplex.kernels import triton_sgmv_kernels as mod
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch: what it was called with, by parameter name."""
 
-    if not fast_path_only:
-        return mod
-    src = Path(mod.__file__).read_text()
-    cond = re.compile(r"^    if \(D % rank == 0\).*:$", re.M)
-    if not cond.search(src):
-        raise SystemExit("the shrink's per-k branch condition was not found")
-    src = cond.sub("    if True:", src).replace("from .triton_launch import", "from loraplex.kernels.triton_launch import")
-    path = Path(tempfile.mkdtemp()) / "sgmv_fast_only.py"
-    path.write_text(src)
-    sys.path.insert(0, str(path.parent))
-    import sgmv_fast_only  # noqa: E402
-
-    return sgmv_fast_only
+    kind: str  # "shrink" or "expand"
+    args: dict  # parameter name -> value (tensors, ints, constexprs)
 
 
-def sass_counts(kernel, constexprs: dict) -> dict:
-    fn = kernel.compiled
+class _Recorder:
+    """Stands in for a kernel's launcher: `recorder[grid](*args, **consts)` records instead of running."""
+
+    def __init__(self, kind: str, params: list[str], sink: list[Launch]):
+        self.kind, self.params, self.sink = kind, params, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **consts):
+            self.sink.append(Launch(self.kind, dict(zip(self.params, args), **consts)))
+
+        return launch
+
+
+def recorded_launches(tokens_per_segment: int, batch: int = 64) -> list[Launch]:
+    """The q|k|v group's shrink and expand launches, as the step plan makes them, for `batch` tokens in
+    segments of `tokens_per_segment` tokens (1: decode; 64: one prefill tile table of BLOCK_M tokens)."""
+    probe = kg.pool_geometry(SHAPES, 1)
+    geometry = kg.pool_geometry(SHAPES, ADAPTERS * kg.adapter_pages(SHAPES, probe, 16) + 16)
+    pool = kg.PagePool(geometry, torch.device("cpu"))
+    adapters = kg.place_adapters(SHAPES, pool, kg.PageDealer(geometry.num_pages)).by_set["r16"]
+    token_adapter = [(t // tokens_per_segment) % ADAPTERS for t in range(batch)]
+    lora = kg.runner_batch(adapters, token_adapter)
+    acts = kg.make_acts(SHAPES, batch, torch.device("cpu"))
+    modules, bounds, y, x = kg.lora_groups(SHAPES, acts)[0]
+    sink: list[Launch] = []
+    kernels = {"shrink": triton_sgmv.sgmv_shrink_kernel, "expand": triton_sgmv.sgmv_expand_kernel}
+    for kind, kernel in kernels.items():
+        params = list(inspect.signature(kernel.fn).parameters)
+        kernel.on = lambda device, kind=kind, params=params: _Recorder(kind, params, sink)
+    try:
+        triton_sgmv.apply_lora_group(y, x, pool.rows(), lora, 0, modules, bounds)
+    finally:
+        for kernel in kernels.values():
+            del kernel.on
+    return sink
+
+
+def specialised_source(fn, args: dict) -> ASTSource:
+    """fn compiled for these arguments as Triton's JIT would compile it on a GPU."""
     names = fn.arg_names
-    constexprs = {k: v for k, v in constexprs.items() if k in names}
-    sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        value = args[name]
+        if fn.params[i].is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        if ty == "constexpr":  # an integer equal to 1
+            signature[name] = "constexpr"
+            constexprs[(i,)] = spec
+            continue
+        signature[name] = ty
+        if spec:
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
+    return ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+
+
+def sass_counts(src: ASTSource) -> dict:
     compiled = triton.compile(src, target=HOPPER, options={"num_warps": 4})
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -78,25 +130,52 @@ def sass_counts(kernel, constexprs: dict) -> dict:
     return {"sass_instructions": len(ins), "global_loads": loads}
 
 
+# The shrink's run-time branches of _a_tile, by the lines that open them: a --shrink-branch compile keeps one.
+_BRANCH_LINES = ("    if (rank % R_CHUNK == 0) & (D % R_CHUNK == 0):", "    elif D % rank == 0:")
+SHRINK_BRANCHES = {"wide": ("if True:", "elif False:"), "per-k": ("if False:", "elif True:"),
+                   "per-element": ("if False:", "elif False:")}
+
+
+def kernels_module(shrink_branch: str | None):
+    """The SGMV kernels' module; with shrink_branch, a copy whose shrink always takes that branch of _a_tile."""
+    from loraplex.kernels import triton_sgmv_kernels as mod
+
+    if shrink_branch is None:
+        return mod
+    src = Path(mod.__file__).read_text()
+    for line, forced in zip(_BRANCH_LINES, SHRINK_BRANCHES[shrink_branch]):
+        if src.count(line + "\n") != 1:
+            raise SystemExit(f"the shrink's branch line {line.strip()!r} was not found once in {mod.__file__}")
+        src = src.replace(line + "\n", "    " + forced + "\n")
+    src = src.replace("from .triton_launch import", "from loraplex.kernels.triton_launch import")
+    name = "sgmv_" + shrink_branch.replace("-", "_")
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    sys.path.insert(0, str(path.parent))
+    return importlib.import_module(name)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fast-path-only", action="store_true", help="the shrink's per-k branch alone")
+    ap.add_argument("--shrink-branch", choices=sorted(SHRINK_BRANCHES), default=None,
+                    help="compile the shrink with this branch of its A loads alone (default: all branches)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    mod = kernels_module(args.fast_path_only)
+    mod = kernels_module(args.shrink_branch)
+    compiled = {"shrink": mod.sgmv_shrink_kernel.compiled, "expand": mod.sgmv_expand_kernel.compiled}
     rows = {}
-    for bm in (1, 32):
-        rows[f"shrink BLOCK_M={bm}"] = sass_counts(mod.sgmv_shrink_kernel, dict(COMMON, BLOCK_M=bm, BLOCK_K=128,
-                                                                                USE_DOT=True))
-        rows[f"expand BLOCK_M={bm}"] = sass_counts(mod.sgmv_expand_kernel, dict(COMMON, BLOCK_M=bm, BLOCK_N=128,
-                                                                                USE_DOT=True))
-    print(f"sm_90, bf16, D=128 (triton {triton.__version__}{', shrink per-k branch only' if args.fast_path_only else ''})")
+    for tokens_per_segment in (1, 64):
+        for launch in recorded_launches(tokens_per_segment):
+            name = f"{launch.kind} BLOCK_M={launch.args['BLOCK_M']}"
+            rows[name] = sass_counts(specialised_source(compiled[launch.kind], launch.args))
+    print(f"sm_90, bf16, D=128, q|k|v of Llama-3-8B at rank 16 (triton {triton.__version__}"
+          f"{f', shrink branch {args.shrink_branch} only' if args.shrink_branch else ''})")
     print("| kernel | SASS instructions | global loads |\n|---|---|---|")
     for name, r in rows.items():
         loads = ", ".join(f"{k} {v}" for k, v in sorted(r["global_loads"].items()))
         print(f"| {name} | {r['sass_instructions']} | {loads} |")
     if args.json:
-        args.json.write_text(json.dumps({"triton": triton.__version__, "fast_path_only": args.fast_path_only,
+        args.json.write_text(json.dumps({"triton": triton.__version__, "shrink_branch": args.shrink_branch,
                                          "kernels": rows}, indent=1))
     return rows
 

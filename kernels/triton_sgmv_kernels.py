@@ -54,8 +54,18 @@ def _a_tile(pool_ptr, page_row, a_row, rank, k0, r0, r, rmask, k,
     Element (r, k) is k*rank + r past logical row a_row. The decode shrink's time on an H200 followed
     tokens, not bytes, and its per-element work was the suspect: where each k's run of ranks stays in one
     pool row, the page, row and address are computed once per k and the ranks add an offset."""
-    if (D % rank == 0) | ((rank % R_CHUNK == 0) & (D % R_CHUNK == 0)):
-        # Names apart from the other branch's: a compiled if needs one type per name in both branches.
+    if (rank % R_CHUNK == 0) & (D % R_CHUNK == 0):
+        # Each k's R_CHUNK ranks are consecutive elements from a multiple of R_CHUNK, inside one pool row and
+        # all below the rank (programs past the rank skip the K loop): said so, the loads need no mask and
+        # the compiler makes them 16 bytes wide instead of one element each.
+        rk = tl.multiple_of(rank, R_CHUNK)
+        w0 = (k0 + k) * rk + r0  # [BLOCK_K] first element of each k's run
+        wrow0 = a_row + w0 // D
+        wpage0 = tl.load(page_row + wrow0 // rows_per_page)
+        wbase = (wpage0.to(tl.int64) * rows_per_page + wrow0 % rows_per_page) * D + w0 % D  # [BLOCK_K]
+        a = tl.load(pool_ptr + tl.multiple_of(wbase, R_CHUNK)[None, :] + (r - r0)[:, None])
+    elif D % rank == 0:
+        # Names apart from the other branches': a compiled if needs one type per name in every branch.
         e0 = (k0 + k) * rank + r0  # [BLOCK_K] first element of each k's run
         lrow0 = a_row + e0 // D
         page0 = tl.load(page_row + lrow0 // rows_per_page)
@@ -220,7 +230,10 @@ def sgmv_expand_kernel(
             lrow = b_row + r * nr + nm // D
             page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
             prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
-            b = tl.load(pool_ptr + prow[:, None] * D + (nm % D) + n[None, :], mask=rmask[:, None], other=0.0)
+            # Each rank row's chunk starts at a multiple of BLOCK_N. Said so, its elements load 16 bytes at a
+            # time with Triton 3.6 (the H200 image's) as well, which does not find it by itself.
+            brow = tl.multiple_of(prow * D + nm % D, BLOCK_N)  # [R_CHUNK]
+            b = tl.load(pool_ptr + brow[:, None] + n[None, :], mask=rmask[:, None], other=0.0)
             acc += tl.sum(sv[:, None] * b.to(tl.float32), axis=0)
         ymask = n < n_lim
         yp = y_ptr + t0 * stride_yt + n0 + n
@@ -242,7 +255,10 @@ def sgmv_expand_kernel(
             lrow = b_row + r * nr + nm // D
             page = tl.load(page_row + lrow // rows_per_page, mask=rmask, other=0)
             prow = page.to(tl.int64) * rows_per_page + lrow % rows_per_page
-            b = tl.load(pool_ptr + prow[:, None] * D + (nm % D) + n[None, :], mask=rmask[:, None], other=0.0)
+            # Each rank row's chunk starts at a multiple of BLOCK_N. Said so, its elements load 16 bytes at a
+            # time with Triton 3.6 (the H200 image's) as well, which does not find it by itself.
+            brow = tl.multiple_of(prow * D + nm % D, BLOCK_N)  # [R_CHUNK]
+            b = tl.load(pool_ptr + brow[:, None] + n[None, :], mask=rmask[:, None], other=0.0)
             if USE_DOT:
                 # s rounded to the weights' dtype, as the torch path multiplies it.
                 acc2 = tl.dot(st.to(b.dtype), b, acc2, input_precision=DOT_PREC)
