@@ -9,7 +9,7 @@ bf16, D = 128, rank 16), recorded on the CPU instead of run, and each argument i
 specialises it on a GPU (a pointer or an integer divisible by 16 is marked so, an integer equal to 1 becomes a
 constant). Without the pointers' alignment no load can be wider than one element, whatever the kernel says.
 Counts are of the whole kernel: where a kernel branches at run time (the shrink's per-k and per-element page
-lookups), all branches are in them; --shrink-branch compiles one alone: wide (ranks that are multiples of 16,
+lookups), all branches are in them; --shrink-branch compiles one alone: wide (rank 8 and the multiples of 16,
 16-byte loads), per-k (the other ranks dividing D), per-element (the rest).
 
     .venv/bin/python benchmarks/triton_sass.py [--shrink-branch wide|per-k|per-element] [--json OUT]
@@ -131,7 +131,7 @@ def sass_counts(src: ASTSource) -> dict:
 
 
 # The shrink's run-time branches of _a_tile, by the lines that open them: a --shrink-branch compile keeps one.
-_BRANCH_LINES = ("    if (rank % R_CHUNK == 0) & (D % R_CHUNK == 0):", "    elif D % rank == 0:")
+_BRANCH_LINES = ("    if ((rank % R_CHUNK == 0) & (D % R_CHUNK == 0)) | ((rank == 8) & (D % 8 == 0)):", "    elif D % rank == 0:")
 SHRINK_BRANCHES = {"wide": ("if True:", "elif False:"), "per-k": ("if False:", "elif True:"),
                    "per-element": ("if False:", "elif False:")}
 

@@ -54,16 +54,20 @@ def _a_tile(pool_ptr, page_row, a_row, rank, k0, r0, r, rmask, k,
     Element (r, k) is k*rank + r past logical row a_row. The decode shrink's time on an H200 followed
     tokens, not bytes, and its per-element work was the suspect: where each k's run of ranks stays in one
     pool row, the page, row and address are computed once per k and the ranks add an offset."""
-    if (rank % R_CHUNK == 0) & (D % R_CHUNK == 0):
-        # Each k's R_CHUNK ranks are consecutive elements from a multiple of R_CHUNK, inside one pool row and
-        # all below the rank (programs past the rank skip the K loop): said so, the loads need no mask and
-        # the compiler makes them 16 bytes wide instead of one element each.
-        rk = tl.multiple_of(rank, R_CHUNK)
+    if ((rank % R_CHUNK == 0) & (D % R_CHUNK == 0)) | ((rank == 8) & (D % 8 == 0)):
+        # Each k's ranks r0 .. r0 + R_CHUNK - 1 are consecutive elements from a multiple of 8 that stay inside one
+        # pool row up to the rank (all R_CHUNK of them, or the 8 of a rank-8 adapter), in runs of 8 that lie all
+        # below the rank or all past it. Said so, the compiler loads them 16 bytes at a time (8 bf16) instead of
+        # one element each. (A rank of 24 at D = 128 fails it: k = 5's first 16 ranks cross a row.)
+        tl.static_assert(R_CHUNK % 8 == 0)
+        rk = tl.multiple_of(rank, 8)
         w0 = (k0 + k) * rk + r0  # [BLOCK_K] first element of each k's run
         wrow0 = a_row + w0 // D
         wpage0 = tl.load(page_row + wrow0 // rows_per_page)
         wbase = (wpage0.to(tl.int64) * rows_per_page + wrow0 % rows_per_page) * D + w0 % D  # [BLOCK_K]
-        a = tl.load(pool_ptr + tl.multiple_of(wbase, R_CHUNK)[None, :] + (r - r0)[:, None])
+        # r < rk written by runs of 8: the compiler sees a mask constant over each run (it does not for r < rk).
+        run_in = r // 8 < rk // 8  # [R_CHUNK]
+        a = tl.load(pool_ptr + tl.multiple_of(wbase, 8)[None, :] + (r - r0)[:, None], mask=run_in[:, None], other=0.0)
     elif D % rank == 0:
         # Names apart from the other branches': a compiled if needs one type per name in every branch.
         e0 = (k0 + k) * rank + r0  # [BLOCK_K] first element of each k's run

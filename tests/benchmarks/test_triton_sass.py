@@ -14,7 +14,7 @@ pytest.importorskip("triton.backends.nvidia")
 def test_counts_branches_and_load_widths(tmp_path):
     """Every variant the engine's plan launches compiles and is counted. Specialised as a GPU launch is (the
     pointers' 16-byte alignment known), the adapter rows load 16 bytes at a time where the kernel allows it:
-    the expand's B rows, and the shrink's A rows on its wide branch (ranks that are multiples of 16), not
+    the expand's B rows, and the shrink's A rows on its wide branch (rank 8 and the multiples of 16), not
     on the per-k branch, whose masked runs of a run-time rank load one element each."""
     bench = load_script("triton_sass.py")
     every = bench.main(["--json", str(tmp_path / "sass.json")])

@@ -95,3 +95,17 @@ def test_prefill_chunks_with_max_rank(dtype):
                     popularity="distinct", no_adapter_share=0.0, sort=False, empty_segments=1,
                     seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     check_all_entry_points(spec, dtype, split=1, block_m=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [8, 16], ids=lambda d: f"d{d}")
+def test_ranks_at_the_shrink_branch_bounds(dtype, d):
+    """The shrink loads A by one of three branches, chosen per segment by its rank: 16-byte runs (rank 8, the
+    multiples of 16), one page per k (ranks dividing D), one per element. Ranks on each side of every bound,
+    on two-row pages so that runs sit at page edges: 24 and 40 (multiples of 8 whose runs of 16 ranks can cross
+    a row; at D = 8 the wide branch once read their second run from the wrong page), 8, 16, 32, 48, 4, 12, 1."""
+    spec = SgmvSpec(d=d, rows_per_page=2, in_features=5 * d, out_features=3 * d, layer=1, module=2,
+                    ranks=(24, 40, 8, 16, 32, 48, 4, 12, 1), present=(True,) * 9, req_lens=(1, 1, 3, 1, 2, 1, 1, 5, 1, 1, 1, 18),
+                    popularity="distinct", no_adapter_share=0.0, sort=True, empty_segments=0,
+                    seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    check_all_entry_points(spec, dtype, split=2, block_m=16)
