@@ -266,6 +266,9 @@ def sgmv_shrink_group_into(
     assert x.stride(1) == 1 and pool_rows.is_contiguous() and partial.stride(2) == 1
     assert partial.shape[2] % (G * R_CHUNK) == 0 and partial.shape[1] == lora.num_tokens
     assert all(m == modules[0] + g for g, m in enumerate(modules)) and G <= MAX_GROUP, modules
+    if not lora.segments:  # no adapter at all: zeros, and no segment table for the kernel to index
+        partial.zero_()
+        return
     seg = SegmentTables.of(lora)
     for launch in _shrink_launches(partial, pool_rows, lora, modules, x.shape[1], x.dtype, block_m):
         launch(x, seg.layout_offset(layer, modules[0]), seg.scale_offset(layer, modules[0]))
@@ -299,6 +302,8 @@ def sgmv_expand_group_from(
     assert y.stride(1) == 1 and s.stride(2) == 1 and pool_rows.is_contiguous()
     D = pool_rows.shape[1]
     assert y.shape[1] == bounds[-1] and groupable(modules, bounds, D), (modules, bounds, D)
+    if not lora.segments:  # no adapter at all: y unchanged
+        return
     seg = SegmentTables.of(lora)
     for launch in _expand_launches(s, pool_rows, lora, modules, bounds, y.dtype, block_m):
         launch(y, seg.layout_offset(layer, modules[0]))

@@ -260,6 +260,15 @@ def test_no_segment_carries_the_group():
     assert torch.equal(y, case.y0)
 
 
+def test_a_batch_without_any_adapter():
+    """No request of the batch has an adapter (no segment at all): the launches' entry points write zero
+    partials and leave y alone, with no segment table to index (the hypothesis test found them indexing one)."""
+    spec = GroupSpec(d=8, rows_per_page=4, in_features=24, modules=QKV, widths=(16, 8, 8), layer=1,
+                     ranks=((4, 8, 16),), req_lens=(1, 3), popularity="distinct", no_adapter_share=1.0,
+                     sort=False, empty_segments=0, seed=fresh_seed())
+    check_group(spec, torch.float32, split=2, block_m=16)
+
+
 def test_modules_that_cannot_share_a_launch_go_one_by_one():
     """q and v without k are not consecutive: apply_lora_group falls back to one apply_lora each."""
     spec = GroupSpec(d=8, rows_per_page=4, in_features=24, modules=(0, 2), widths=(24, 8), layer=0,
