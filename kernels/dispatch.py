@@ -18,6 +18,7 @@ from loraplex.errors import ConfigError
 from . import cpu_attention, cpu_sgmv, torch_attention, torch_sgmv
 from .cpu_build import build_error, load_extension
 from .metadata import LoraBatch
+from .pointwise import PointwiseOps
 
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 
@@ -41,6 +42,9 @@ class KernelOps:
     # Whether each kernel variant compiles at its first launch (Triton): the engine's warm-up then also runs
     # the LoRA path, so that no request waits for those compiles.
     compiles_at_first_launch: bool = False
+    # The backend's own RMSNorm / RoPE / SwiGLU kernels (the Triton path's); None: the model picks (C++ on a
+    # CPU in float32, torch's formulas elsewhere).
+    pointwise: PointwiseOps | None = None
 
 
 def per_module(apply_lora: Callable) -> Callable:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import triton_attention, triton_sgmv
 from .dispatch import KernelOps
+from .triton_pointwise import TRITON_POINTWISE
 
 TRITON_OPS = KernelOps(
     name="triton",
@@ -18,4 +19,5 @@ TRITON_OPS = KernelOps(
     apply_lora=triton_sgmv.apply_lora,
     apply_lora_group=triton_sgmv.apply_lora_group,  # one shrink and one expand launch per group
     compiles_at_first_launch=True,
+    pointwise=TRITON_POINTWISE,  # one launch for each norm, RoPE and SwiGLU, not 3 to 8 torch ops
 )

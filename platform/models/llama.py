@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.errors import ModelLoadError
-from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_lora_gemm, cpu_norm, cpu_rope, cpu_swiglu
+from loraplex.kernels import AttentionMetadata, KernelOps, LoraBatch, cpu_lora_gemm
 from loraplex.kernels.cpu_lora_gemm import ModuleColumns
+from loraplex.kernels.pointwise import PointwiseOps, cpu_pointwise
 from loraplex.lora.types import MODULE_INDEX
 
 from . import cpu_gemm
@@ -95,12 +96,33 @@ def add_rms_norm(
     d: torch.Tensor,  # [T, H] what the layer adds to it
     weight: torch.Tensor,  # [H]
     eps: float,
-    fused: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (h + d, rms_norm(h + d)); fused: h is updated in place
-    if fused:
-        return h, cpu_norm.add_rms_norm(h, d, weight, eps)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (h + d, rms_norm(h + d))
     h = h + d
     return h, rms_norm(h, weight, eps)
+
+
+def rope(
+    qkv: torch.Tensor,  # [T, W]: nh q heads, then nkv k heads, from column 0
+    heads: tuple[int, int, int],  # (nh, nkv, head_dim)
+    cos: torch.Tensor,  # [T, head_dim] in qkv's dtype
+    sin: torch.Tensor,  # [T, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (q [T, nh, hd], k [T, nkv, hd]) rotated
+    nh, nkv, hd = heads
+    # q and k heads are adjacent in each qkv row: rotate them in one pass, then split views.
+    qk = RotaryEmbedding.rotate(qkv[:, : (nh + nkv) * hd].view(-1, nh + nkv, hd), cos[:, None, :], sin[:, None, :])
+    return qk[:, :nh], qk[:, nh:]
+
+
+def swiglu(
+    gu: torch.Tensor,  # [T, 2I] gate | up
+    inter: int,  # I
+) -> torch.Tensor:  # [T, I]
+    return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+
+# transformers' formulas in torch ops: the reference the kernel sets are checked against, and what runs
+# where no kernel set applies.
+TORCH_POINTWISE = PointwiseOps(name="torch", rms_norm=rms_norm, add_rms_norm=add_rms_norm, rope=rope, swiglu=swiglu)
 
 
 def linear(
@@ -130,12 +152,10 @@ class LlamaModel:
         self.layout = cpu_gemm.choose(gemm, device, dtype) or (
             "in_out" if WEIGHTS_IN_OUT_ON_CPU and device.type == "cpu" else "out_in")
         packed = self.layout in cpu_gemm.PACKED_LAYOUTS
-        # The C++ norms where they build (CPU, float32): torch's rms_norm is ~10 ops per call.
-        self.fused_norm = device.type == "cpu" and dtype == torch.float32 and cpu_norm.available()
-        # RoPE in place in the qkv output where the C++ kernel builds (CPU, float32): one pass, not five.
-        self.fused_rope = device.type == "cpu" and dtype == torch.float32 and cpu_rope.available()
-        # silu(gate) * up in one pass where the C++ kernel builds (CPU, float32).
-        self.fused_act = device.type == "cpu" and dtype == torch.float32 and cpu_swiglu.available()
+        # The elementwise steps where the kernel backend brings none of its own (KernelOps.pointwise): the C++
+        # kernels where they build (CPU, float32: one pass each, where torch's RMSNorm is ~10 ops), else torch.
+        self.pointwise = (cpu_pointwise(TORCH_POINTWISE) if device.type == "cpu" and dtype == torch.float32
+                          else TORCH_POINTWISE)
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = weights.get(name)
@@ -234,39 +254,28 @@ class LlamaModel:
                 parts = cpu_lora_gemm.split(step.lora, pool_rows.shape[1])
                 lora = _StepLora(parts.fused, parts.rest, pool_rows, ops)
         h = F.embedding(step.input_ids, self.embed)  # [T, H]
-        qe, ke = self.qkv_splits[:2]  # q | k | v columns of qkv end at qkv_splits
         inter = cfg.intermediate_size
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         # Positions are the same in every layer: look up cos/sin once per step.
         cos, sin = self.rope.cos_sin(step.attn.positions, self.dtype)  # [T, hd]
-        cos_h, sin_h = cos[:, None, :], sin[:, None, :]  # [T, 1, hd], broadcast over heads
-        eps, fused, last = cfg.rms_norm_eps, self.fused_norm, len(self.layers) - 1
-        norm = cpu_norm.rms_norm if fused else rms_norm
-        x = norm(h, self.layers[0].input_norm, eps)
+        eps, last = cfg.rms_norm_eps, len(self.layers) - 1
+        pw = ops.pointwise or self.pointwise
+        x = pw.rms_norm(h, self.layers[0].input_norm, eps)
         for li, w in enumerate(self.layers):
             qkv = self._project(x, w.qkv, w.qkv_bias, li, "qkv", lora)  # [T, q + 2kv]
-            # q and k heads are adjacent in each qkv row: rotate them in one pass, then split views.
-            if self.fused_rope:
-                cpu_rope.rope_(qkv, ke, cos, sin)
-                q, k = qkv[:, :qe].view(T, nh, hd), qkv[:, qe:ke].view(T, nkv, hd)
-            else:
-                qk = self.rope.rotate(qkv[:, :ke].view(T, nh + nkv, hd), cos_h, sin_h)  # [T, nh + nkv, hd]
-                q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, ke:].view(T, nkv, hd)
+            q, k = pw.rope(qkv, heads, cos, sin)  # [T, nh, hd], [T, nkv, hd]
+            v = qkv[:, self.qkv_splits[1]:].view(T, cfg.num_kv_heads, cfg.head_dim)
             ops.write_kv(kv_pool, k, v, step.attn, li)
             attn = ops.paged_attention(q, kv_pool, step.attn, li, self.scale).reshape(T, cfg.q_size)
             o = self._project(attn, w.o, w.o_bias, li, "o", lora)  # [T, H]
-            h, x = add_rms_norm(h, o, w.post_norm, eps, fused)
+            h, x = pw.add_rms_norm(h, o, w.post_norm, eps)
             gu = self._project(x, w.gate_up, w.gate_up_bias, li, "gate_up", lora)  # [T, 2I]
-            if self.fused_act:
-                act = cpu_swiglu.swiglu(gu, inter)  # [T, I]
-            else:
-                act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [T, I]
+            act = pw.swiglu(gu, inter)  # [T, I]
             d = self._project(act, w.down, w.down_bias, li, "down", lora)  # [T, H]
             # The next layer's input norm, fused with this residual add.
             if li < last:
-                h, x = add_rms_norm(h, d, self.layers[li + 1].input_norm, eps, fused)
+                h, x = pw.add_rms_norm(h, d, self.layers[li + 1].input_norm, eps)
             else:
                 h = h + d
-        h = norm(h.index_select(0, step.logits_index), self.final_norm, eps)
+        h = pw.rms_norm(h.index_select(0, step.logits_index), self.final_norm, eps)
         return linear(h, self.lm_head, None, self.head_layout).float()

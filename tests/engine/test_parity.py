@@ -75,7 +75,8 @@ def test_every_weight_layout_matches_peft(case, layout, monkeypatch):
         monkeypatch.setattr(cpu_norm, "available", lambda: False)
     llm = make_llm(case, max_num_batched_tokens=16, gemm=layout if layout in prepacked else "mm")
     assert llm.engine.model.layout == layout
-    assert llm.engine.model.fused_norm == (layout != "out_in" and cpu_norm.available())
+    fused_norm = llm.engine.model.pointwise.add_rms_norm is not llama.add_rms_norm
+    assert fused_norm == (layout != "out_in" and cpu_norm.available())
     assert llm.engine.model.head_layout == (layout if layout in prepacked else "out_in")  # the LM head too
     outs = llm.generate(case.prompts, params(case), adapters=case.adapters)
     check_outputs(case, outs)

@@ -19,6 +19,7 @@ from loraplex.kernels.triton_attention_kernels import (
     write_kv_kernel,
 )
 from loraplex.kernels.triton_launch import DualKernel
+from loraplex.kernels.triton_pointwise_kernels import rms_norm_kernel, rope_kernel, swiglu_kernel
 from loraplex.kernels.triton_sgmv_kernels import sgmv_expand_kernel, sgmv_shrink_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -74,3 +75,10 @@ def test_kernels_compile_for_sm90(dt):
                        triton_attention.PREFILL_WARPS)
     compile_for_hopper(attention_combine_kernel, a, dict(GROUP=4, BLOCK_M=16, BLOCK_D=128, NUM_SPLITS=4))
     compile_for_hopper(write_kv_kernel, a, dict(BLOCK_H=8, BLOCK_D=128))
+    # The elementwise steps, at Qwen2.5-1.5B's widths (hidden 1536 in one row, 14 q + 2 k heads of 128, MLP 8960).
+    pw = {"h_ptr": f"*{dt}", "d_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": f"*{dt}", "x_ptr": f"*{dt}",
+          "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "gu_ptr": f"*{dt}", "eps": "fp32"}
+    for has_d in (False, True):
+        compile_for_hopper(rms_norm_kernel, pw, dict(HAS_D=has_d, ROWS=2, BLOCK_H=2048))
+    compile_for_hopper(rope_kernel, pw, dict(HD=128, BLOCK_NH=16, BLOCK_HALF=64))
+    compile_for_hopper(swiglu_kernel, pw, dict(ROWS=4, BLOCK_I=1024))
