@@ -6,7 +6,9 @@ distinct adapters, so that the next change goes where the time is:
 
 - step wall time (median of unprofiled steps);
 - device busy time per step (sum of the kernels' durations) and kernel launches per step (torch.profiler);
-- the Python functions with the most own time per step (cProfile), which is where a host-bound step goes.
+- the Python functions with the most own time per step (cProfile), which is where a host-bound step goes;
+- where the kernel backend brings its own RMSNorm / RoPE / SwiGLU kernels (Triton), the same cases again with
+  the model's torch formulas in their place.
 
     python3 benchmarks/step_profile.py --gpu [--batch 64] [--context 128] [--adapters 64] [--out DIR]
     .venv/bin/python benchmarks/step_profile.py --model DIR     # CPU, any checkpoint (the tests use a tiny one)
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import pstats
 import statistics
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--pool-mib", type=float, default=None)
+    ap.add_argument("--kernels", default="auto", help="kernel backend (EngineConfig.kernels): auto, torch, cpu, triton")
     ap.add_argument("--out", type=Path, default=None, help="folder for step_profile.json")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the --gpu model and the adapters are written (e2e/run.py --work-dir reuses the model)")
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     pool = int((args.pool_mib or (4096 if args.gpu else 512)) * (1 << 20))
     econf = EngineConfig(model=model or "default", dtype="bfloat16" if args.gpu else "float32",
                          device="cuda" if args.gpu else "cpu", pool_bytes=pool, max_lora_rank=RANK,
-                         max_num_seqs=max(args.batch, 1))
+                         max_num_seqs=max(args.batch, 1), kernels=args.kernels)
     engine = EngineCore(econf)
     names = []
     for i in range(args.adapters):
@@ -146,13 +150,27 @@ def main(argv: list[str] | None = None) -> dict:
     cases = [profile_case(engine, args.batch, args.context, [None], args.steps, args.top)]
     if names:
         cases.append(profile_case(engine, args.batch, args.context, names, args.steps, args.top))
+    if engine.ops.pointwise is not None:
+        # The same steps with the model's own RMSNorm / RoPE / SwiGLU (torch ops) in place of the backend's kernels:
+        # one Triton launch against 2 to 9 torch launches each, whose host costs differ.
+        with_kernels = engine.runner.ops
+        engine.runner.ops = dataclasses.replace(with_kernels, pointwise=None)
+        try:
+            for adapters in ([None], names) if names else ([None],):
+                case = profile_case(engine, args.batch, args.context, adapters, args.steps, args.top)
+                cases.append(dict(case, pointwise="model"))
+        finally:
+            engine.runner.ops = with_kernels
+    for c in cases:
+        c.setdefault("pointwise", engine.ops.pointwise.name if engine.ops.pointwise else "model")
     result = {"device": str(econf.torch_device), "gpu": torch.cuda.get_device_name() if args.gpu else None,
               "torch": torch.__version__, "kernels": engine.ops.name, "model": str(engine.model_path),
               "cases": cases}
     for c in cases:
         dev = "" if c["device_busy_ms_per_step"] is None else (
             f", device busy {c['device_busy_ms_per_step']:.2f} ms, {c['kernel_launches_per_step']:.0f} kernels")
-        print(f"\nB={c['batch']} ctx={c['context']} adapters {c['adapters']}: step {c['step_ms_median']:.2f} ms"
+        print(f"\nB={c['batch']} ctx={c['context']} adapters {c['adapters']} pointwise {c['pointwise']}: "
+              f"step {c['step_ms_median']:.2f} ms"
               f"{dev}; under cProfile {c['cprofile_step_ms']:.2f} ms")
         print("| Python function (own time) | ms/step | calls/step |\n|---|---|---|")
         for f in c["top_python"]:

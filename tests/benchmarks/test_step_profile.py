@@ -28,3 +28,18 @@ def test_profiles_both_cases_and_writes_json(tmp_path):
     assert any("apply_lora" in f["function"] for f in distinct["top_python"])
     assert not any("apply_lora" in f["function"] for f in none["top_python"])
     assert json.loads((tmp_path / "step_profile.json").read_text())["cases"][1]["adapters"] == 2
+
+
+def test_triton_path_is_profiled_with_and_without_its_pointwise_kernels(tmp_path):
+    """With a backend that brings RMSNorm / RoPE / SwiGLU kernels (Triton, interpreted here), both cases run
+    again with the model's torch formulas, and the engine keeps its own kernel set afterwards."""
+    model = make_tiny_model(tmp_path / "model", "llama", seed=4)
+    out = step_profile.main(["--model", str(model), "--batch", "2", "--context", "5", "--adapters", "1",
+                             "--steps", "1", "--top", "100000", "--pool-mib", "16", "--kernels", "triton"])
+    assert [(c["pointwise"], c["adapters"]) for c in out["cases"]] == [("triton", 0), ("triton", 1), ("model", 0),
+                                                                       ("model", 1)]
+    # The Triton wrappers run in the first two cases only; the model's own set (on a CPU in float32, the C++
+    # kernels) in the other two only.
+    funcs = [" ".join(f["function"] for f in c["top_python"]) for c in out["cases"]]
+    assert [("triton_pointwise.py" in f, "_cpu_add_rms_norm" in f) for f in funcs] == [
+        (True, False), (True, False), (False, True), (False, True)]
