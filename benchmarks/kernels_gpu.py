@@ -472,6 +472,50 @@ class SgmvBench:
         return 1e-4 if self.shapes.dtype == torch.float32 else 3e-2
 
 
+def adapter_half_bytes(shapes: Shapes, res: AdapterResidency, half: str) -> int:
+    """Bytes of one placed adapter's A matrices (half "a": rank x in per module) or B matrices ("b": rank x out)."""
+    total = 0
+    for name in TARGET_MODULES:
+        in_f, out_f = shapes.module_shape(name)
+        total += res.max_rank * (in_f if half == "a" else out_f)
+    return total * shapes.dtype.itemsize
+
+
+@dataclass
+class GroupHalves:
+    """The layer's 4 grouped calls cut into their shrink launches and their expand launches, each with the
+    partials buffer and K-split apply_lora_group would use."""
+
+    calls: list  # (modules, bounds, y, x, partial)
+    rows: torch.Tensor
+    batch: LoraBatch
+
+    @staticmethod
+    def of(b: SgmvBench, batch: LoraBatch, grouped_targets) -> GroupHalves:
+        from loraplex.kernels import triton_sgmv
+
+        calls = []
+        for mods, bounds, y, x in grouped_targets:
+            rank = triton_sgmv._group_rank(batch, 0, mods)
+            sr = -(-rank // triton_sgmv.R_CHUNK) * triton_sgmv.R_CHUNK
+            split = triton_sgmv._split_for(batch, b.rows, x.shape[1], len(mods) * sr // triton_sgmv.R_CHUNK, x.device)
+            partial = torch.zeros(split, x.shape[0], len(mods) * sr, dtype=torch.float32, device=x.device)
+            calls.append((mods, bounds, y, x, partial))
+        return GroupHalves(calls, b.rows, batch)
+
+    def shrink(self) -> None:
+        from loraplex.kernels import triton_sgmv
+
+        for mods, _, _, x, partial in self.calls:
+            triton_sgmv.sgmv_shrink_group_into(partial, x, self.rows, self.batch, 0, mods)
+
+    def expand(self) -> None:
+        from loraplex.kernels import triton_sgmv
+
+        for mods, bounds, y, _, partial in self.calls:
+            triton_sgmv.sgmv_expand_group_from(y, partial, self.rows, self.batch, 0, mods, bounds)
+
+
 def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: random.Random) -> dict:
     """Check and time one (popularity, ranks, batch) case."""
     token_adapter = assign(popularity, batch, rng)
@@ -491,6 +535,7 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
         for mods, bounds, y, x in grouped_targets:
             b.ops.apply_lora_group(y, x, b.rows, ours_batch, 0, mods, bounds)
 
+    halves = GroupHalves.of(b, ours_batch, grouped_targets)
     groups = gather_groups(res_list, token_adapter, [m for m, _, _ in targets], b.device)
 
     def gather_bmm() -> None:
@@ -520,6 +565,14 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
         "ours_grouped_rel_err": err["ours_grouped"],
         "gather_bmm_us": b.timer(gather_bmm), "loop_us": b.timer(loop),
     }
+    # The two halves of the grouped calls apart (graph replay where captured): shrink reads A, expand B; each
+    # half's rate is its own matrices' bytes over its time, so the slow half shows.
+    rec["shrink_us"] = b.timer.best(halves.shrink)
+    rec["expand_us"] = b.timer.best(halves.expand)
+    used = [res_list[a] for a in set(token_adapter)]
+    a_bytes, b_bytes = (sum(adapter_half_bytes(b.shapes, r, half) for r in used) for half in ("a", "b"))
+    rec["shrink_gbps"] = a_bytes / rec["shrink_us"] / 1e3
+    rec["expand_gbps"] = b_bytes / rec["expand_us"] / 1e3
     rec["adapter_bytes"] = sum(b.adapters.bytes_of[id(res_list[a])] for a in set(token_adapter))
     rec["base_bytes"] = layer_bytes(b.layer)
     # Both sides memory-bound at decode: reading the adapters can cost no less than this share of
@@ -535,7 +588,9 @@ def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: ran
     print(f"  sgmv {popularity:8s} {set_name:5s} B={batch:3d}: base {rec['base_us']:8.1f} us, ours "
           f"{rec['ours_us']:8.1f} (graph {fmt(rec['ours_graph_us'])}), grouped {rec['ours_grouped_us']:8.1f} "
           f"(graph {fmt(rec['ours_grouped_graph_us'])}), gather+bmm {rec['gather_bmm_us']:8.1f}, "
-          f"loop {rec['loop_us']:8.1f}; ours/base {rec['ours_over_base']:.2f} (floor {rec['floor_over_base']:.2f}); "
+          f"loop {rec['loop_us']:8.1f}; shrink {rec['shrink_us']:.1f} ({rec['shrink_gbps']:.0f} GB/s), expand "
+          f"{rec['expand_us']:.1f} ({rec['expand_gbps']:.0f} GB/s); "
+          f"ours/base {rec['ours_over_base']:.2f} (floor {rec['floor_over_base']:.2f}); "
           f"{rec['adapter_read_gbps']:.0f} GB/s; check {'ok' if rec['check_ok'] else 'FAILED'} {err}")
     return rec
 
@@ -676,15 +731,18 @@ def markdown(report: dict) -> str:
         "",
         "ours/base: our kernel time (graph replay where captured) over the base GEMMs'; floor: adapter bytes over "
         "base-weight bytes, the least ours/base can be when both read their weights at the same bandwidth. "
-        "ours grouped: the same deltas in 4 apply_lora_group calls (q/k/v and gate/up one shrink and one expand launch each).",
+        "ours grouped: the same deltas in 4 apply_lora_group calls (q/k/v and gate/up one shrink and one expand launch each); "
+        "shrink and expand: those calls' two halves timed apart, each with the rate at which it reads its own matrices "
+        "(A for the shrink, B for the expand).",
         "",
-        "| adapters | ranks | batch | distinct | base us | ours us (graph) | ours grouped us (graph) | gather+bmm us | loop us | ours/base | floor | adapter GB/s | % of copy | check |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| adapters | ranks | batch | distinct | base us | ours us (graph) | ours grouped us (graph) | shrink us (A GB/s) | expand us (B GB/s) | gather+bmm us | loop us | ours/base | floor | adapter GB/s | % of copy | check |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in ok_rows(report["sgmv"]):
         lines.append(
             f"| {r['popularity']} | {r['ranks']} | {r['batch']} | {r['distinct_adapters']} | {r['base_us']:.1f} "
             f"| {r['ours_us']:.1f} ({fmt(r['ours_graph_us'])}) | {r['ours_grouped_us']:.1f} ({fmt(r['ours_grouped_graph_us'])}) "
+            f"| {r['shrink_us']:.1f} ({r['shrink_gbps']:.0f}) | {r['expand_us']:.1f} ({r['expand_gbps']:.0f}) "
             f"| {r['gather_bmm_us']:.1f} | {r['loop_us']:.1f} "
             f"| {r['ours_over_base']:.2f} | {r['floor_over_base']:.2f} | {r['adapter_read_gbps']:.0f} | {100 * r['adapter_read_vs_copy']:.0f} "
             f"| {'ok' if r['check_ok'] else 'FAILED'} |")

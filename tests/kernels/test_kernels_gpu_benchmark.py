@@ -19,6 +19,12 @@ def test_benchmark_dry_run_checks_and_reports(tmp_path):
     assert all(r["check_ok"] for r in report["sgmv"] + report["attention"])
     assert json.loads((tmp_path / "kernels_gpu.json").read_text())["dry_run"] is True
     assert "| zipf | mixed | 3 |" in (tmp_path / "kernels_gpu.md").read_text()
+    # The grouped calls' halves timed apart, with the bytes each reads: A for the shrink, B for the expand
+    # (the same element count in a layer's 7 modules: each A is rank x in, each B rank x out).
+    for r in report["sgmv"]:
+        assert r["shrink_us"] > 0 and r["expand_us"] > 0
+        a_bytes, b_bytes = r["shrink_gbps"] * r["shrink_us"], r["expand_gbps"] * r["expand_us"]
+        assert abs(a_bytes + b_bytes - r["adapter_bytes"] / 1e3) < 1e-6 * r["adapter_bytes"]
 
 
 def test_a_failing_case_is_recorded_and_listed_not_fatal(tmp_path):
