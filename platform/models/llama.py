@@ -109,7 +109,8 @@ def rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (q [T, nh, hd], k [T, nkv, hd]) rotated
     nh, nkv, hd = heads
     # q and k heads are adjacent in each qkv row: rotate them in one pass, then split views.
-    qk = RotaryEmbedding.rotate(qkv[:, : (nh + nkv) * hd].view(-1, nh + nkv, hd), cos[:, None, :], sin[:, None, :])
+    qk = RotaryEmbedding.rotate(qkv[:, : (nh + nkv) * hd].view(qkv.shape[0], nh + nkv, hd), cos[:, None, :],
+                                sin[:, None, :])
     return qk[:, :nh], qk[:, nh:]
 
 
