@@ -39,8 +39,9 @@ if [ "${LP_SKIP_KERNELS:-0}" != 1 ]; then
 fi
 
 if [ "${LP_SKIP_PROFILE:-0}" != 1 ]; then
+    # four cases: without and with 16 adapters, each with the Triton pointwise kernels and with torch's formulas
     echo "== step_profile.py ($((SECONDS - start)) s in)"  # builds the model e2e/run.py then reuses
-    timeout 150 python3 benchmarks/step_profile.py --gpu --adapters 16 --out "$out" --work-dir /tmp/lp-e2e
+    timeout 240 python3 benchmarks/step_profile.py --gpu --adapters 16 --out "$out" --work-dir /tmp/lp-e2e
     echo "step_profile exit $? ($((SECONDS - start)) s in)"
 fi
 
