@@ -80,7 +80,3 @@ def build_case(tmp: Path, arch: str, n_requests: int = 12, max_new: int = 32, pr
             ref_tokens.append(out)
             ref_logits.append(logits)
     return ParityCase(model_dir, adapter_dirs, prompts, adapters, ref_tokens, ref_logits, max_new)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())

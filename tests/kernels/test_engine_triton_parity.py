@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories import make_peft_adapter, make_tiny_model
-from kernel_testkit import rel_err
+from greedy_parity import check_greedy_parity
 from loraplex.engine import LLM, SamplingParams
 
 # Widths that are not powers of two (hidden 96, MLP 160); 3 query heads on one KV head (MQA).
@@ -89,10 +89,7 @@ def test_engine_with_triton_kernels_matches_peft(case):
     outs = llm.generate(case.prompts, params, adapters=REQUEST_ADAPTERS)
     for i, out in enumerate(outs):
         assert out.finish_reason == "length"
-        assert out.token_ids == case.ref_tokens[i], f"request {i} (adapter {REQUEST_ADAPTERS[i]}) diverged"
-        ours = torch.cat([out.prompt_logits, out.logits[1:]], dim=0)
-        assert ours.shape == case.ref_logits[i].shape
-        err = rel_err(ours, case.ref_logits[i])
-        assert err < 1e-4, f"request {i} (adapter {REQUEST_ADAPTERS[i]}): relative logits error {err:.2e}"
+        check_greedy_parity(f"request {i} (adapter {REQUEST_ADAPTERS[i]})", len(case.prompts[i]), out.token_ids,
+                            out.prompt_logits, out.logits, case.ref_tokens[i], case.ref_logits[i])
     llm.engine.pager.check_integrity()
     assert llm.engine.stats().kv_pages == 0
