@@ -13,7 +13,9 @@ per chunk (an [R_CHUNK] vector) and the elements load as contiguous runs. A shri
 [R_CHUNK, BLOCK_K] of A^T covers BLOCK_K runs of up to R_CHUNK consecutive elements (one per k). When
 no run can cross a pool row (the rank divides D, or rank and D are multiples of R_CHUNK: ranks 1-128 that
 are powers of two with D = 128) the page is looked up once per k, a [BLOCK_K] vector; otherwise (a rank
-of 12, say) for every element. Both are _a_tile's.
+of 12, say) for every element. For rank 8 and the multiples of 16 the per-k loads are also said to start at
+multiples of 8 elements, masked by whole runs of 8, so they compile to 16-byte loads; the other ranks' are
+one element each (benchmarks/triton_sass.py counts them). All three branches are _a_tile's.
 
 Ranks are mixed in one launch: rank is read per segment from the layout table and rows past it
 are masked, so a rank-8 adapter next to a rank-64 one issues rank-8 loads (shrink programs whose
