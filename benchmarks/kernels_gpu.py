@@ -483,12 +483,10 @@ def adapter_half_bytes(shapes: Shapes, res: AdapterResidency, half: str) -> int:
 
 @dataclass
 class GroupHalves:
-    """The layer's 4 grouped calls cut into their shrink launches and their expand launches, each with the
-    partials buffer and K-split apply_lora_group would use."""
+    """The layer's 4 grouped calls' step plans (triton_sgmv's, with the partials buffer and K-split
+    apply_lora_group uses), whose shrink and expand launches are timed apart."""
 
-    calls: list  # (modules, bounds, y, x, partial)
-    rows: torch.Tensor
-    batch: LoraBatch
+    calls: list  # (plan, y, x)
 
     @staticmethod
     def of(b: SgmvBench, batch: LoraBatch, grouped_targets) -> GroupHalves:
@@ -497,23 +495,16 @@ class GroupHalves:
         calls = []
         for mods, bounds, y, x in grouped_targets:
             rank = triton_sgmv._group_rank(batch, 0, mods)
-            sr = -(-rank // triton_sgmv.R_CHUNK) * triton_sgmv.R_CHUNK
-            split = triton_sgmv._split_for(batch, b.rows, x.shape[1], len(mods) * sr // triton_sgmv.R_CHUNK, x.device)
-            partial = torch.zeros(split, x.shape[0], len(mods) * sr, dtype=torch.float32, device=x.device)
-            calls.append((mods, bounds, y, x, partial))
-        return GroupHalves(calls, b.rows, batch)
+            calls.append((triton_sgmv._group_plan(batch, b.rows, x, mods, bounds, rank, None), y, x))
+        return GroupHalves(calls)
 
     def shrink(self) -> None:
-        from loraplex.kernels import triton_sgmv
-
-        for mods, _, _, x, partial in self.calls:
-            triton_sgmv.sgmv_shrink_group_into(partial, x, self.rows, self.batch, 0, mods)
+        for plan, _, x in self.calls:
+            plan.shrink(x, 0)
 
     def expand(self) -> None:
-        from loraplex.kernels import triton_sgmv
-
-        for mods, bounds, y, _, partial in self.calls:
-            triton_sgmv.sgmv_expand_group_from(y, partial, self.rows, self.batch, 0, mods, bounds)
+        for plan, y, _ in self.calls:
+            plan.expand(y, 0)
 
 
 def sgmv_case(b: SgmvBench, popularity: str, set_name: str, batch: int, rng: random.Random) -> dict:

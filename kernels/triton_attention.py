@@ -134,8 +134,8 @@ class _AttentionPlan:
     per layer before, launches not counted), and only the layer's block tables and the activations change
     from layer to layer. The split-KV partials are one set of buffers for the step, in stream order."""
 
-    def __init__(self, q: torch.Tensor, kv_pool: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
-                 tiles: AttentionTiles, group: int, num_splits: int, block_n: int, num_warps: int):
+    def __init__(self, q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata, tiles: AttentionTiles,
+                 group: int, num_splits: int, block_n: int, num_warps: int):
         kvh, hd = kv_pool.shape[3], kv_pool.shape[4]
         block_d = max(16, triton.next_power_of_2(hd))  # tl.dot needs K >= 16 on a GPU
         dev = q.device
@@ -188,8 +188,7 @@ def _launch(
            num_warps)
     plan = meta.plan_cache.get(key)
     if plan is None:
-        plan = meta.plan_cache[key] = _AttentionPlan(q, kv_pool, out, meta, tiles, group, num_splits, block_n,
-                                                     num_warps)
+        plan = meta.plan_cache[key] = _AttentionPlan(q, kv_pool, meta, tiles, group, num_splits, block_n, num_warps)
     plan.launch(q, out, meta.block_tables[layer], scale)
 
 

@@ -441,10 +441,16 @@ class _GroupPlan:
         self.expands = _expand_launches(partial, pool_rows, lora, modules, bounds, x.dtype, DEFAULT_BLOCK_M)
 
     def launch(self, y: torch.Tensor, x: torch.Tensor, layer: int) -> None:  # y [T, N] += ..., x [T, K]
-        lay_off = self.seg.layout_offset(layer, self.m0)
-        sc_off = self.seg.scale_offset(layer, self.m0)
+        self.shrink(x, layer)
+        self.expand(y, layer)
+
+    def shrink(self, x: torch.Tensor, layer: int) -> None:  # x [T, K] -> the step's partials
+        lay_off, sc_off = self.seg.layout_offset(layer, self.m0), self.seg.scale_offset(layer, self.m0)
         for shrink in self.shrinks:
             shrink(x, lay_off, sc_off)
+
+    def expand(self, y: torch.Tensor, layer: int) -> None:  # y [T, N] += the partials through B
+        lay_off = self.seg.layout_offset(layer, self.m0)
         for expand in self.expands:
             expand(y, lay_off)
 
