@@ -48,11 +48,16 @@ inline void store(float* p, vec v) { *reinterpret_cast<vec_u*>(p) = v; }
 // panel pulls it in from memory; the blocks also prefetch the next panel into L2, so that while they
 // compute on this one, the next one is already on its way (the hardware prefetchers stop at every 4 KB
 // page; a panel is 18 pages at K = 576). Without it the LM head, 113 MB read once per step, ran at 144
-// GFLOP/s at 64 rows against oneDNN's 179. The prefetches are spread over all the panel's blocks (block
-// b of nb prefetches the next panel's rows k = b, b + nb, ...): issued by the first block alone, a burst
-// of 72 KB asked for within one block's time, above one core's share of the bandwidth, the next panel
-// was still arriving when its blocks began (all layers' projections at 24-64 rows, weights streaming from
-// memory, Intel Xeon: 7-8% faster spread; RESULTS.md, fourteenth session).
+// GFLOP/s at 64 rows against oneDNN's 179. The prefetches are spread over all the panel's blocks: block b
+// of nb prefetches slice b of the next panel's nb slices, a line or a few every two k: issued by the first
+// block alone, a burst of 72 KB asked for within one block's time, above one core's share of the
+// bandwidth, the next panel was still arriving when its blocks began (all layers' projections at 24-64
+// rows, weights streaming from memory, Intel Xeon: 7-8% faster spread; RESULTS.md, fourteenth session).
+// The k loop runs two k per pass with the prefetches unconditional within it: an earlier form decided
+// per k whether this k prefetched (a counter and two branches per k) and, beside the 11 row pointers of
+// x, spilled registers inside the loop; the integer work took issue slots from the FMAs (Intel Xeon,
+// eighteenth session: 64 rows 277 -> 328 GFLOP/s over all projections streaming from memory, 2048 rows
+// 328 -> 377; bit for bit the same sums).
 // LoRA epilogue of a block (linear_lora): acc += s @ B^T[:, the panel's columns], s [R, rank] (row
 // stride ss, scale applied), bcol[k] the panel's NR columns of B^T's row k. rank 0: none.
 struct Epilogue {
@@ -62,6 +67,17 @@ struct Epilogue {
   int rank;
 };
 
+// acc[r] += x[r][k] * (w0 | w1) for the R rows of a block.
+template <int R>
+inline void fma_k(vec (&a0)[R], vec (&a1)[R], const float* __restrict x, int64_t xs, int64_t k, vec w0, vec w1) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const float xv = x[r * xs + k];
+    a0[r] += xv * w0;
+    a1[r] += xv * w1;
+  }
+}
+
 template <int R>
 void block(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t K, float* __restrict y,
            int64_t ys, int ncols, const float* __restrict bias, const float* next, int pf_phase, int pf_stride,
@@ -69,21 +85,23 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
   vec a0[R], a1[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = vec{};
-  int pf = pf_phase == 0 ? 0 : pf_stride - pf_phase;  // iterations until this block's next prefetch
-  for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr && pf == 0) {
-      __builtin_prefetch(next + k * NR, 0, 2);
-      __builtin_prefetch(next + k * NR + 16, 0, 2);
-    }
-    pf = pf + 1 == pf_stride ? 0 : pf + 1;
-    const vec w0 = load(w + k * NR), w1 = load(w + k * NR + V);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const float xv = x[r * xs + k];
-      a0[r] += xv * w0;
-      a1[r] += xv * w1;
-    }
+  // Slice pf_phase of the next panel's pf_stride slices, `step` bytes of it per two k (rounded up: the
+  // last lines asked for may lie past the slice, and past the panel for the last slice; a prefetch of
+  // any address is harmless), so 1 to 4 lines per two k.
+  const int64_t step = (2 * NR * 4 + pf_stride - 1) / pf_stride;
+  const int lines = next != nullptr ? static_cast<int>((step + 63) / 64) : 0;
+  const char* pf = next != nullptr
+                       ? reinterpret_cast<const char*>(next) + K * NR * 4 * pf_phase / pf_stride : nullptr;
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    if (lines > 0) __builtin_prefetch(pf, 0, 2);
+    if (lines > 1) __builtin_prefetch(pf + 64, 0, 2);
+    if (lines > 2) __builtin_prefetch(pf + 128, 0, 2), __builtin_prefetch(pf + 192, 0, 2);
+    pf += step;
+    fma_k<R>(a0, a1, x, xs, k, load(w + k * NR), load(w + k * NR + V));
+    fma_k<R>(a0, a1, x, xs, k + 1, load(w + k * NR + NR), load(w + k * NR + NR + V));
   }
+  if (k < K) fma_k<R>(a0, a1, x, xs, k, load(w + k * NR), load(w + k * NR + V));
   // The adapter's delta joins the accumulators before the one store: y is written once, where a
   // separate SGMV pass would read and write it again (at prefill sizes, from L3 or memory).
   for (int k = 0; k < lora.rank; ++k) {
