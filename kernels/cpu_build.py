@@ -79,25 +79,33 @@ def build_error(stem: str) -> str | None:
 
 
 def _compile(stem: str) -> ModuleType:
+    return compile_source(Path(__file__).with_name(f"{stem}.cpp"), f"loraplex_{stem}")
+
+
+def compile_source(src: Path, prefix: str) -> ModuleType:
+    """Build (or load from the cache) one C++ source with the kernels' flags, as module <prefix>_<key>. Besides
+    the kernels here, benchmarks build an earlier version of a kernel with it, to time both in one process."""
     from torch.utils import cpp_extension
 
-    src = Path(__file__).with_name(f"{stem}.cpp")
     # The name carries the source's hash: a changed kernel never loads a stale build. It also carries the
     # CPU's identity: a build for -march=native of one CPU can hold instructions another lacks (AVX-512
     # on the dev machine, not on an AVX2 one), and a home folder may move between machines. And the
     # source's folder: torch records a build's source paths and rebuilds when the same name comes from
     # another path, so two checkouts of the same sources (a fresh clone for CI beside the working one)
     # rebuilt each other's kernels, ~4 minutes on 2 cores each time they alternated.
-    # The headers beside the sources (cpu_pool_tables.h) are part of every build's key: a changed
+    # The headers beside the kernels (cpu_pool_tables.h) are part of every build's key: a changed
     # header rebuilds the kernels that may include it.
-    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
+    here = Path(__file__).parent
+    headers = b"".join(h.read_bytes() for h in sorted(here.glob("*.h")))
     key = (src.read_bytes() + headers + " ".join(CFLAGS).encode() + cpu_identity().encode()
            + str(src.parent.resolve()).encode())
     digest = hashlib.sha256(key).hexdigest()[:12]
-    name = f"loraplex_{stem}_{digest}"
+    name = f"{prefix}_{digest}"
+    # A source from elsewhere (an earlier version of a kernel) still finds the headers here.
+    include = [] if src.parent.resolve() == here.resolve() else [str(here)]
     with build_guard(Path(cpp_extension._get_build_directory(name, verbose=False))):
         return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                                  verbose=False)
+                                  extra_include_paths=include, verbose=False)
 
 
 @contextmanager
