@@ -10,9 +10,14 @@ cache for the same reason.
 Bandwidth: K/V bytes a call must read (every cached token's K and V of every sequence, once)
 over its time, next to a streaming read measured in the same run (roofline.measure_roofline).
 
+--baseline-source FILE builds FILE (an earlier cpu_attention.cpp, e.g. from `git show
+REV:kernels/cpu_attention.cpp > /tmp/old.cpp`) beside the current kernel and times the two alternating,
+rep by rep, in one process: across processes this CPU's speed moves by as much as a kernel change gains.
+
 Writes JSON (--out) and prints a table. Usage:
     python benchmarks/cpu_attention_bench.py [--batch 64] [--contexts 128 2048] [--threads 2]
-                                             [--reps 5] [--out benchmarks/results/cpu_attention.json]
+                                             [--reps 5] [--baseline-source FILE]
+                                             [--out benchmarks/results/cpu_attention.json]
 """
 
 from __future__ import annotations
@@ -76,24 +81,27 @@ def layers_for(seqs: list[tuple[int, int]]) -> int:
     return max(1, min(MAX_LAYERS, -(-POOL_TARGET_BYTES // per_layer)))
 
 
-def time_per_call(fn: Callable[[int], object], layers: int, reps: int) -> dict:
-    """ms per layer call: each rep calls every layer once; median and best over reps."""
-    for layer in range(layers):  # warm-up: per-step plans, first touch
-        fn(layer)
-    per = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for layer in range(layers):
+def time_per_call(fns: dict[str, Callable[[int], object]], layers: int, reps: int) -> dict[str, dict]:
+    """ms per layer call of each fn: each rep calls every layer once with each fn in turn; median and best
+    over reps."""
+    for fn in fns.values():
+        for layer in range(layers):  # warm-up: per-step plans, first touch
             fn(layer)
-        per.append((time.perf_counter() - t0) / layers * 1e3)
-    return {"median_ms": statistics.median(per), "best_ms": min(per)}
+    per: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for layer in range(layers):
+                fn(layer)
+            per[name].append((time.perf_counter() - t0) / layers * 1e3)
+    return {name: {"median_ms": statistics.median(p), "best_ms": min(p)} for name, p in per.items()}
 
 
 def kv_bytes(seqs: list[tuple[int, int]]) -> int:
     return sum(c + q for c, q in seqs) * 2 * KV_HEADS * HEAD_DIM * 4
 
 
-def bench_case(name: str, seqs: list[tuple[int, int]], reps: int, gen: torch.Generator) -> dict:
+def bench_case(name: str, seqs: list[tuple[int, int]], reps: int, gen: torch.Generator, baseline=None) -> dict:
     layers = layers_for(seqs)
     kv_pool, meta, q = make_step(seqs, layers, gen)
     scale = HEAD_DIM**-0.5
@@ -108,12 +116,23 @@ def bench_case(name: str, seqs: list[tuple[int, int]], reps: int, gen: torch.Gen
     def theirs(layer: int) -> torch.Tensor:
         return torch_attention.paged_attention(q, kv_pool, meta, layer, scale)
 
+    def before(layer: int) -> torch.Tensor:
+        out = torch.empty(q.shape)
+        baseline.paged_attention(out, q, kv_pool, meta.block_tables[layer], tiles, scale)
+        return out
+
     err = (ours(0) - theirs(0)).abs().max().item()
     res = {"case": name, "seqs": len(seqs), "tokens": meta.num_tokens, "layers_cycled": layers,
            "kv_mib_per_call": kv_bytes(seqs) / 2**20, "max_abs_diff": err,
-           "torch": time_per_call(theirs, layers, reps), "cpp": time_per_call(ours, layers, reps)}
-    for k in ("torch", "cpp"):
-        res[k]["kv_gbps"] = kv_bytes(seqs) / (res[k]["median_ms"] * 1e-3) / 1e9
+           "torch": time_per_call({"torch": theirs}, layers, reps)["torch"]}
+    if baseline is not None:
+        res["baseline_max_abs_diff"] = (ours(0) - before(0)).abs().max().item()
+        res.update(time_per_call({"cpp": ours, "baseline": before}, layers, reps))
+    else:
+        res.update(time_per_call({"cpp": ours}, layers, reps))
+    for k in ("torch", "cpp", "baseline"):
+        if k in res:
+            res[k]["kv_gbps"] = kv_bytes(seqs) / (res[k]["median_ms"] * 1e-3) / 1e9
     res["speedup"] = res["torch"]["median_ms"] / res["cpp"]["median_ms"]
     return res
 
@@ -125,6 +144,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-prefill", action="store_true", help="decode cases only")
+    ap.add_argument("--baseline-source", type=Path, default=None,
+                    help="an earlier cpu_attention.cpp, timed alternating with the current kernel")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_attention.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -143,8 +164,9 @@ def main() -> None:
             ("prefill 8x32 ctx=96", [(96, 32)] * 8),
             (f"mixed {args.batch - 1} decode ctx=128 + 1x256", [(127, 1)] * (args.batch - 1) + [(0, 256)]),
         ]
+    baseline = cpu_build.compile_source(args.baseline_source, "baseline_cpu_attention") if args.baseline_source else None
     roof = measure_roofline()
-    results = [bench_case(name, seqs, args.reps, gen) for name, seqs in cases]
+    results = [bench_case(name, seqs, args.reps, gen, baseline) for name, seqs in cases]
     report = {"threads": args.threads, "shapes": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                                                   "block_size": BLOCK, "dtype": "float32"},
               "extension_load_s": load_s, "roofline": roof.as_dict(), "cases": results}
@@ -155,7 +177,9 @@ def main() -> None:
     print(f"{'case':<40} {'torch ms':>9} {'C++ ms':>8} {'speedup':>8} {'torch GB/s':>10} {'C++ GB/s':>9} {'of read':>8}")
     for r in results:
         print(f"{r['case']:<40} {r['torch']['median_ms']:9.3f} {r['cpp']['median_ms']:8.3f} {r['speedup']:7.2f}x "
-              f"{r['torch']['kv_gbps']:10.1f} {r['cpp']['kv_gbps']:9.1f} {r['cpp']['kv_gbps'] / roof.read_gbps:7.0%}")
+              f"{r['torch']['kv_gbps']:10.1f} {r['cpp']['kv_gbps']:9.1f} {r['cpp']['kv_gbps'] / roof.read_gbps:7.0%}"
+              + (f"   baseline {r['baseline']['median_ms']:.3f} ms, {r['baseline']['kv_gbps']:.1f} GB/s, "
+                 f"differs by {r['baseline_max_abs_diff']:.3g}" if "baseline" in r else ""))
     print(f"wrote {args.out}")
 
 

@@ -214,6 +214,7 @@ struct Problem {
 struct Scratch {
   std::vector<float> q, acc, s, p, l, m;
   std::vector<int32_t> lim;
+  std::vector<int64_t> row_keys, row_head;  // run_item: per row, its token's key count and its kv head's offset
 };
 
 // data() of v grown to at least n elements (contents not kept: every item initialises its own).
@@ -238,7 +239,7 @@ constexpr int PF_LOCALITY = 2;
 // over the pool, where the hardware prefetchers do not follow. (Measured at B=64 decode: 30%
 // faster than no prefetch; a separate prefetch walk one, two or four chunks ahead ran 40% slower.)
 // pf false: pointers only; the decode kernel spreads the chunk's prefetches over the passes of the
-// chunk before it (prefetch_part).
+// chunk before it (PrefetchSpread).
 inline bool locate(const Problem& pb, int64_t seq, int64_t g, int64_t t0, int64_t nkeys, const float** k,
                    const float** v, int64_t heads = 1, bool pf = true) {
   const int32_t* pages = pb.tables + seq * pb.max_blocks;
@@ -265,7 +266,7 @@ inline bool locate(const Problem& pb, int64_t seq, int64_t g, int64_t t0, int64_
   return true;
 }
 
-// Part `part` of `parts` of the prefetches of rows p[0 .. n) (`lines` cache lines each). A decode chunk
+// Slices of the prefetches of rows p[0 .. n) (`lines` cache lines each). A decode chunk
 // of all kv heads is 384 lines (16 keys x 12 lines of K, as many of V at SmolLM2's shapes): asked for
 // in one burst, far more than the line-fill buffers hold, they held up the loads of the chunk being
 // computed, and memory and arithmetic took turns (the kernel ran at 0.60-0.66 of a plain read of its
@@ -273,10 +274,24 @@ inline bool locate(const Problem& pb, int64_t seq, int64_t g, int64_t t0, int64_
 // accumulate pass), B=64 decode per layer call, the two builds alternating in one process on a
 // huge-page pool (AMD EPYC Zen 5): ctx 128 0.671 -> 0.482 ms, 512 3.14 -> 2.39, 2048 12.2 -> 9.0; a
 // plain read of the same pages took 0.45 ms at ctx 128. All of it during the score pass: 0.497 ms.
-inline void prefetch_part(const float* const* p, int n, int64_t lines, int64_t part, int64_t parts) {
-  const int64_t total = n * lines, lo = total * part / parts, hi = total * (part + 1) / parts;
-  for (int64_t x = lo; x < hi; ++x) __builtin_prefetch(p[x / lines] + 16 * (x % lines), 0, PF_LOCALITY);
-}
+//
+// The slices are handed out in order, one per next(), walking rows and lines with counters: an earlier
+// form located each prefetch's row and line by a division (x / lines, x % lines), some 45 64-bit divisions
+// per query row and pass at SmolLM2's shapes, beside the row's 64 FMAs.
+struct PrefetchSpread {
+  const float* const* p;
+  int64_t lines, total, parts;
+  int64_t part = 0, done = 0, row = 0, line = 0;
+  PrefetchSpread(const float* const* rows, int n, int64_t lines_per_row, int64_t num_parts)
+      : p(rows), lines(lines_per_row), total(n * lines_per_row), parts(num_parts) {}
+  inline void next() {  // slice `part` of `parts`: prefetches [total * part / parts, total * (part + 1) / parts)
+    const int64_t hi = total * ++part / parts;
+    for (; done < hi; ++done) {
+      __builtin_prefetch(p[row] + 16 * line, 0, PF_LOCALITY);
+      if (++line == lines) line = 0, ++row;
+    }
+  }
+};
 
 // Softmax weights are exp(score - m) against a reference max m that is only moved (and what was
 // summed under it rescaled) when a score exceeds it by more than RESCALE_AT: weights stay below
@@ -309,6 +324,8 @@ bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
   float* pb_ = grown(sc.p, R * VL);  // [R, 16] this chunk's weights
   float* lb = grown(sc.l, R * VL);   // [R, 16] running sums of the weights, lane-wise (reduced at the end)
   float* mx = grown(sc.m, R);        // [R] reference max
+  int64_t* rkeys = grown(sc.row_keys, R);  // [R] keys the row sees: keys0 + its token
+  int64_t* rhead = grown(sc.row_head, R);  // [R] its kv head's offset in a K/V row of all heads
 
   // Rows r = j * Gt + h: query head h, whose kv head is h / G. A local copy of q reads
   // a strided q (a slice of the fused qkv) once and folds the softmax scale in.
@@ -322,6 +339,8 @@ bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
       std::fill(acc + r * dp, acc + (r + 1) * dp, 0.f);
       store(lb + r * VL, vf{});
       mx[r] = -std::numeric_limits<float>::infinity();
+      rkeys[r] = keys0 + j;
+      rhead[r] = h / G * pb.d;
     }
   }
 
@@ -337,13 +356,14 @@ bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
     const float* const* vp = ptrs[cur][1];
     // Rows that see keys of this chunk: causally, token j of the tile sees keys0 + j keys.
     const int64_t r0 = std::max<int64_t>(0, t0 - keys0 + 1) * Gt;
-    auto keys_of = [&](int64_t r) { return (int)std::min<int64_t>(n, keys0 + r / Gt - t0); };
-    auto head_of = [&](int64_t r) { return (r % Gt) / G * pb.d; };  // the row's kv head, from head 0's pointers
+    auto keys_of = [&](int64_t r) { return (int)std::min<int64_t>(n, rkeys[r] - t0); };
+    auto head_of = [&](int64_t r) { return rhead[r]; };  // the row's kv head, from head 0's pointers
     // Three passes over the rows, each row independent of the others within a pass: the
     // out-of-order core overlaps rows, where one row's scores -> max -> exp -> sum chain alone
     // would leave it waiting on latencies.
+    PrefetchSpread kpf(ptrs[cur ^ 1][0], next_n, lines, R - r0), vpf(ptrs[cur ^ 1][1], next_n, lines, R - r0);
     for (int64_t r = r0; r < R; ++r) {
-      prefetch_part(ptrs[cur ^ 1][0], next_n, lines, r - r0, R - r0);
+      kpf.next();
       store(sb + r * VL, chunk_scores<NV>(qb + r * dp, kp, keys_of(r), d, head_of(r)));
     }
     for (int64_t r = r0; r < R; ++r) {
@@ -363,7 +383,7 @@ bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
       store(pb_ + r * VL, pv);
     }
     for (int64_t r = r0; r < R; ++r) {
-      prefetch_part(ptrs[cur ^ 1][1], next_n, lines, r - r0, R - r0);
+      vpf.next();
       accumulate<NV>(acc + r * dp, pb_ + r * VL, vp, keys_of(r), d, head_of(r));
     }
   }
