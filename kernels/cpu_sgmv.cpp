@@ -596,22 +596,11 @@ void few_block(float* y, int64_t ys, const float* x, int64_t xs, int nt, const P
   }
 }
 
-}  // namespace
-
-// Segments longer than max_len take the register-blocked path where long_ok(rank, D) holds; the
-// others are left to the caller (a BLAS GEMM multiplies them faster than the token-block loops).
-// y [T, out] (rows may be strided, columns contiguous: a column slice of a fused projection) is
-// updated in place; x [T, in]; the other arguments: SegTables.
-void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
-                torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
-                int64_t rows_per_page, int64_t layer, int64_t module, int64_t max_len) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
-              "cpu_sgmv.apply_lora takes float32 tensors");
-  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y [T, out] and x [T, in] expected");
-  TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "y and x need contiguous columns");
-  const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
+// One (layer, module) over the batch: y [T, out] (row stride ys) += each segment's delta from x [T, in].
+void apply_module(float* yp, int64_t ys, int64_t out, const float* xp, int64_t xs, int64_t in, int64_t T,
+                  const SegTables& tb, int64_t layer, int64_t module, int64_t max_len) {
   TORCH_CHECK(module >= 0 && module < tb.num_modules, "module out of range");
-  const int64_t d = tb.d, in = x.size(1), out = y.size(1), T = y.size(0);
+  const int64_t d = tb.d;
   TORCH_CHECK(out % d == 0, "out features must be a multiple of the pool row width");
   const int32_t* st = tb.st;
   const int32_t* ln = tb.ln;
@@ -631,9 +620,6 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
       items.push_back({s, t, static_cast<int>(std::min<int64_t>(step, st[s] + ln[s] - t)), blocked});
   }
   if (items.empty()) return;
-  float* yp = y.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const int64_t ys = y.stride(0), xs = x.stride(0);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; ++n) {
       const Item& it = items[n];
@@ -651,6 +637,46 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
                     static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
     }
   });
+}
+
+void check_yx(const torch::Tensor& y, const torch::Tensor& x) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
+              "cpu_sgmv.apply_lora takes float32 tensors");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y [T, out] and x [T, in] expected");
+  TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "y and x need contiguous columns");
+}
+
+}  // namespace
+
+// Segments longer than max_len take the register-blocked path where long_ok(rank, D) holds; the
+// others are left to the caller (a BLAS GEMM multiplies them faster than the token-block loops).
+// y [T, out] (rows may be strided, columns contiguous: a column slice of a fused projection) is
+// updated in place; x [T, in]; the other arguments: SegTables.
+void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
+                torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
+                int64_t rows_per_page, int64_t layer, int64_t module, int64_t max_len) {
+  check_yx(y, x);
+  const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
+  apply_module(y.data_ptr<float>(), y.stride(0), y.size(1), x.data_ptr<float>(), x.stride(0), x.size(1), y.size(0),
+               tb, layer, module, max_len);
+}
+
+// apply_lora of modules[g] on y's columns [bounds[g], bounds[g + 1]) for modules that share x and one fused
+// output (q | k | v, gate | up), one module after another: one call from Python per fused projection, where
+// a call per module cost the engine's decode step ~10 us of Python and argument passing each (210 a step).
+void apply_lora_group(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
+                      torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
+                      int64_t rows_per_page, int64_t layer, std::vector<int64_t> modules, std::vector<int64_t> bounds,
+                      int64_t max_len) {
+  check_yx(y, x);
+  TORCH_CHECK(modules.size() + 1 == bounds.size() && !modules.empty(), "one column range per module");
+  TORCH_CHECK(bounds.front() >= 0 && bounds.back() <= y.size(1), "module columns outside y");
+  for (size_t g = 0; g < modules.size(); ++g) TORCH_CHECK(bounds[g + 1] > bounds[g], "empty module columns");
+  const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
+  float* yp = y.data_ptr<float>();
+  for (size_t g = 0; g < modules.size(); ++g)
+    apply_module(yp + bounds[g], y.stride(0), bounds[g + 1] - bounds[g], x.data_ptr<float>(), x.stride(0),
+                 x.size(1), y.size(0), tb, layer, modules[g], max_len);
 }
 
 // s[seg rows, s_cols[i] : s_cols[i] + rank] = scale * x[seg rows] @ A^T of modules[i], for every
@@ -709,6 +735,8 @@ void shrink_segments(torch::Tensor s, torch::Tensor x, torch::Tensor pool_rows, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs: the server's threads keep going meanwhile.
   m.def("apply_lora", &apply_lora, "SGMV shrink + expand of one (layer, module), pool read in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("apply_lora_group", &apply_lora_group, "apply_lora of several modules sharing x, each on its columns of y",
         py::call_guard<py::gil_scoped_release>());
   m.def("shrink", &shrink_segments, "scale * x @ A^T of several modules sharing x, for the GEMM's LoRA epilogue",
         py::call_guard<py::gil_scoped_release>());

@@ -8,6 +8,8 @@ the torch path, so callers never need to know which one ran.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from . import torch_sgmv
@@ -55,6 +57,33 @@ def apply_lora(
     long = _long_segments(lora, layer, module, pool_rows.shape[1])
     if long:
         torch_sgmv.apply_segments(y, x, pool_rows, long, layer, module)
+
+
+def apply_lora_group(
+    y: torch.Tensor,  # [T, bounds[-1]], updated in place
+    x: torch.Tensor,  # [T, in]
+    pool_rows: torch.Tensor,  # [R, D]
+    lora: LoraBatch,
+    layer: int,
+    modules: Sequence[int],
+    bounds: Sequence[int],  # module g owns columns bounds[g] .. bounds[g + 1] of y
+) -> None:
+    """apply_lora of each module on its columns of y (modules sharing x: q | k | v, gate | up), in one call
+    of the kernel: a decode step makes 120 such calls instead of 210, each with one set of checks."""
+    ext = load_extension("cpu_sgmv")
+    if (ext is None or not lora.segments or y.dtype != torch.float32 or y.device.type != "cpu"
+            or lora.max_rank > MAX_RANK or y.stride(1) != 1):
+        for m, lo, hi in zip(modules, bounds, bounds[1:]):
+            torch_sgmv.apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m)
+        return
+    t = lora.device_tensors
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ext.apply_lora_group(y, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
+                         lora.segments[0].adapter.rows_per_page, layer, modules, bounds, LONG_SEGMENT)
+    for m, lo, hi in zip(modules, bounds, bounds[1:]):
+        long = _long_segments(lora, layer, m, pool_rows.shape[1])
+        if long:
+            torch_sgmv.apply_segments(y[:, lo:hi], x, pool_rows, long, layer, m)
 
 
 def _long_segments(lora: LoraBatch, layer: int, module: int, d: int) -> tuple[LoraSegment, ...]:

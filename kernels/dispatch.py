@@ -85,7 +85,7 @@ CPU_OPS = KernelOps(
     lora_shrink=torch_sgmv.lora_shrink,
     lora_expand=torch_sgmv.lora_expand,
     apply_lora=cpu_sgmv.apply_lora,
-    apply_lora_group=per_module(cpu_sgmv.apply_lora),
+    apply_lora_group=cpu_sgmv.apply_lora_group,
     gemm_lora=True,
 )
 
