@@ -45,8 +45,7 @@ def apply_lora(
 ) -> None:
     """y += each token's adapter delta for (layer, module); tokens without one are untouched."""
     ext = load_extension("cpu_sgmv")
-    if (ext is None or not lora.segments or y.dtype != torch.float32 or y.device.type != "cpu"
-            or lora.max_rank > MAX_RANK or y.stride(1) != 1):
+    if not _kernel_takes(ext, y, lora):
         torch_sgmv.apply_lora(y, x, pool_rows, lora, layer, module)
         return
     t = lora.device_tensors
@@ -71,8 +70,7 @@ def apply_lora_group(
     """apply_lora of each module on its columns of y (modules sharing x: q | k | v, gate | up), in one call
     of the kernel: a decode step makes 120 such calls instead of 210, each with one set of checks."""
     ext = load_extension("cpu_sgmv")
-    if (ext is None or not lora.segments or y.dtype != torch.float32 or y.device.type != "cpu"
-            or lora.max_rank > MAX_RANK or y.stride(1) != 1):
+    if not _kernel_takes(ext, y, lora):
         for m, lo, hi in zip(modules, bounds, bounds[1:]):
             torch_sgmv.apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m)
         return
@@ -84,6 +82,12 @@ def apply_lora_group(
         long = _long_segments(lora, layer, m, pool_rows.shape[1])
         if long:
             torch_sgmv.apply_segments(y[:, lo:hi], x, pool_rows, long, layer, m)
+
+
+def _kernel_takes(ext, y: torch.Tensor, lora: LoraBatch) -> bool:
+    """Whether the C++ kernel takes this call (else the torch path does)."""
+    return (ext is not None and bool(lora.segments) and y.dtype == torch.float32 and y.device.type == "cpu"
+            and lora.max_rank <= MAX_RANK and y.stride(1) == 1)
 
 
 def _long_segments(lora: LoraBatch, layer: int, module: int, d: int) -> tuple[LoraSegment, ...]:
