@@ -56,8 +56,8 @@ inline void store(float* p, vec v) { *reinterpret_cast<vec_u*>(p) = v; }
 // The k loop runs two k per pass with the prefetches unconditional within it: an earlier form decided
 // per k whether this k prefetched (a counter and two branches per k) and, beside the 11 row pointers of
 // x, spilled registers inside the loop; the integer work took issue slots from the FMAs (Intel Xeon,
-// eighteenth session: 64 rows 277 -> 328 GFLOP/s over all projections streaming from memory, 2048 rows
-// 328 -> 377; bit for bit the same sums).
+// eighteenth session, all layers' projections streaming from memory, the two builds alternating: 64 rows
+// 290 -> 330 GFLOP/s, 2048 rows 311 -> 340; bit for bit the same sums; RESULTS.md).
 // LoRA epilogue of a block (linear_lora): acc += s @ B^T[:, the panel's columns], s [R, rank] (row
 // stride ss, scale applied), bcol[k] the panel's NR columns of B^T's row k. rank 0: none.
 struct Epilogue {
@@ -88,15 +88,19 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
   // Slice pf_phase of the next panel's pf_stride slices, `step` bytes of it per two k (rounded up: the
   // last lines asked for may lie past the slice, and past the panel for the last slice; a prefetch of
   // any address is harmless), so 1 to 4 lines per two k.
+  // The address is an integer: it may run past the panel (and is 0 without a next panel), where pointer
+  // arithmetic would be undefined.
   const int64_t step = (2 * NR * 4 + pf_stride - 1) / pf_stride;
   const int lines = next != nullptr ? static_cast<int>((step + 63) / 64) : 0;
-  const char* pf = next != nullptr
-                       ? reinterpret_cast<const char*>(next) + K * NR * 4 * pf_phase / pf_stride : nullptr;
+  uintptr_t pf = next != nullptr ? reinterpret_cast<uintptr_t>(next) + K * NR * 4 * pf_phase / pf_stride : 0;
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
-    if (lines > 0) __builtin_prefetch(pf, 0, 2);
-    if (lines > 1) __builtin_prefetch(pf + 64, 0, 2);
-    if (lines > 2) __builtin_prefetch(pf + 128, 0, 2), __builtin_prefetch(pf + 192, 0, 2);
+    if (lines > 0) __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 2);
+    if (lines > 1) __builtin_prefetch(reinterpret_cast<const void*>(pf + 64), 0, 2);
+    if (lines > 2) {
+      __builtin_prefetch(reinterpret_cast<const void*>(pf + 128), 0, 2);
+      __builtin_prefetch(reinterpret_cast<const void*>(pf + 192), 0, 2);
+    }
     pf += step;
     fma_k<R>(a0, a1, x, xs, k, load(w + k * NR), load(w + k * NR + V));
     fma_k<R>(a0, a1, x, xs, k + 1, load(w + k * NR + NR), load(w + k * NR + NR + V));
