@@ -596,17 +596,18 @@ void few_block(float* y, int64_t ys, const float* x, int64_t xs, int nt, const P
   }
 }
 
-// One (layer, module) over the batch: y [T, out] (row stride ys) += each segment's delta from x [T, in].
-void apply_module(float* yp, int64_t ys, int64_t out, const float* xp, int64_t xs, int64_t in, int64_t T,
-                  const SegTables& tb, int64_t layer, int64_t module, int64_t max_len) {
+// One (layer, module)'s work items over the batch; every check of that module's tables happens here, before
+// anything is written (apply_lora_group plans all its modules first).
+struct ModuleItem { int64_t seg; int64_t t0; int nt; bool blocked; };
+
+std::vector<ModuleItem> plan_module(const SegTables& tb, int64_t layer, int64_t module, int64_t out, int64_t T,
+                                    int64_t max_len) {
   TORCH_CHECK(module >= 0 && module < tb.num_modules, "module out of range");
   const int64_t d = tb.d;
   TORCH_CHECK(out % d == 0, "out features must be a multiple of the pool row width");
   const int32_t* st = tb.st;
   const int32_t* ln = tb.ln;
-
-  struct Item { int64_t seg; int64_t t0; int nt; bool blocked; };
-  std::vector<Item> items;
+  std::vector<ModuleItem> items;
   for (int64_t s = 0; s < tb.num_segs; ++s) {
     const int32_t* l = tb.entry(s, layer, module);
     if (l[0] == 0 || ln[s] == 0) continue;
@@ -619,10 +620,17 @@ void apply_module(float* yp, int64_t ys, int64_t out, const float* xp, int64_t x
     for (int64_t t = st[s]; t < st[s] + ln[s]; t += step)
       items.push_back({s, t, static_cast<int>(std::min<int64_t>(step, st[s] + ln[s] - t)), blocked});
   }
+  return items;
+}
+
+// y [T, out] (row stride ys) += each planned item's delta from x [T, in].
+void run_module(const std::vector<ModuleItem>& items, float* yp, int64_t ys, int64_t out, const float* xp,
+                int64_t xs, int64_t in, const SegTables& tb, int64_t layer, int64_t module) {
   if (items.empty()) return;
+  const int64_t d = tb.d;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; ++n) {
-      const Item& it = items[n];
+      const ModuleItem& it = items[n];
       const int32_t* l = tb.entry(it.seg, layer, module);
       const float scale = tb.scale(it.seg, layer, module);
       const Pages p = tb.pages_of(it.seg);
@@ -657,8 +665,8 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
                 int64_t rows_per_page, int64_t layer, int64_t module, int64_t max_len) {
   check_yx(y, x);
   const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
-  apply_module(y.data_ptr<float>(), y.stride(0), y.size(1), x.data_ptr<float>(), x.stride(0), x.size(1), y.size(0),
-               tb, layer, module, max_len);
+  run_module(plan_module(tb, layer, module, y.size(1), y.size(0), max_len), y.data_ptr<float>(), y.stride(0),
+             y.size(1), x.data_ptr<float>(), x.stride(0), x.size(1), tb, layer, module);
 }
 
 // apply_lora of modules[g] on y's columns [bounds[g], bounds[g + 1]) for modules that share x and one fused
@@ -673,10 +681,13 @@ void apply_lora_group(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows,
   TORCH_CHECK(bounds.front() >= 0 && bounds.back() <= y.size(1), "module columns outside y");
   for (size_t g = 0; g < modules.size(); ++g) TORCH_CHECK(bounds[g + 1] > bounds[g], "empty module columns");
   const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
+  std::vector<std::vector<ModuleItem>> plans;  // all modules checked before any is applied
+  for (size_t g = 0; g < modules.size(); ++g)
+    plans.push_back(plan_module(tb, layer, modules[g], bounds[g + 1] - bounds[g], y.size(0), max_len));
   float* yp = y.data_ptr<float>();
   for (size_t g = 0; g < modules.size(); ++g)
-    apply_module(yp + bounds[g], y.stride(0), bounds[g + 1] - bounds[g], x.data_ptr<float>(), x.stride(0),
-                 x.size(1), y.size(0), tb, layer, modules[g], max_len);
+    run_module(plans[g], yp + bounds[g], y.stride(0), bounds[g + 1] - bounds[g], x.data_ptr<float>(), x.stride(0),
+               x.size(1), tb, layer, modules[g]);
 }
 
 // s[seg rows, s_cols[i] : s_cols[i] + rank] = scale * x[seg rows] @ A^T of modules[i], for every

@@ -45,7 +45,8 @@ def test_group_matches_float64_and_the_per_module_calls(spec):
     check(spec)
 
 
-def test_bad_bounds_are_refused_and_change_nothing():
+def test_bad_groups_are_refused_and_change_nothing():
+    # Every module of the group is checked before any is applied: a bad last module leaves y as it was.
     spec = GroupSpec(d=16, rows_per_page=4, in_features=48, modules=QKV, widths=(48, 16, 16), layer=1,
                      ranks=((16, 8, 0), (4, 16, 16)), req_lens=(1, 1, 3, 20), popularity="distinct",
                      no_adapter_share=0.0, sort=False, empty_segments=0, seed=3)
@@ -54,7 +55,8 @@ def test_bad_bounds_are_refused_and_change_nothing():
     rpp = case.lora.segments[0].adapter.rows_per_page
     for modules, bounds, why in (((0, 1, 2), (0, 48, 64), "one column range per module"),
                                  ((0, 1, 2), (0, 48, 64, 96), "module columns outside y"),
-                                 ((0, 1, 2), (0, 48, 48, 80), "empty module columns")):
+                                 ((0, 1, 2), (0, 48, 48, 80), "empty module columns"),
+                                 ((0, 1, 99), (0, 48, 64, 80), "module out of range")):
         y = case.y0.clone()
         with pytest.raises(RuntimeError, match=why):
             ext.apply_lora_group(y, case.x, case.pool.rows(), t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
