@@ -30,6 +30,7 @@ expand at its adapter's rank. Loss = 1 - throughput_N / throughput_1, measured a
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 import uuid
@@ -139,6 +140,12 @@ def _loaded(adapter: LoraAdapter) -> Future:
 
 def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folders: dict[str, Path],
             host_cache_bytes: int, prefetch_loads: bool = False) -> tuple[RunResult, ScalingPoint]:
+    # The previous run's engine (its pool and weights, 1.5 GB at the quick preset) is held by reference cycles
+    # until the garbage collector runs: collected here, not at some allocation inside this run's clock. Left
+    # to chance, its freeing landed in timed runs: one adapter count's four walls spread by up to 0.9 s (Intel
+    # Xeon, 2026-12-04: a 1000-adapter run at 4.99 s whose 25 loads took 0.36 s against 0.13-0.16 s in the
+    # others, while 3 GB of huge pages went back); collected first, they spread by 0.11-0.14 s.
+    gc.collect()
     engine = EngineCore(engine_config)  # fresh: nothing resident from another N
     store = FolderStore(engine, folders, host_cache_bytes)
     bridge = EngineAdapterBridge(engine, store)
