@@ -67,14 +67,19 @@ struct Epilogue {
   int rank;
 };
 
-// acc[r] += x[r][k] * (w0 | w1) for the R rows of a block.
+// acc[r] += x[r][k] * (w0 | w1) for the R rows of a block. One pointer walks down the rows, hidden from the
+// optimiser after each step: left to itself GCC keeps a pointer per row, more than the registers hold, and
+// reloads the spilled ones from the stack inside the k loop (cpu_sgmv.cpp's shrink_chunk: the same).
 template <int R>
 inline void fma_k(vec (&a0)[R], vec (&a1)[R], const float* __restrict x, int64_t xs, int64_t k, vec w0, vec w1) {
+  const float* xr = x + k;
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    const float xv = x[r * xs + k];
+    const float xv = *xr;
     a0[r] += xv * w0;
     a1[r] += xv * w1;
+    xr += xs;
+    asm("" : "+r"(xr));
   }
 }
 

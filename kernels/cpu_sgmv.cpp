@@ -305,10 +305,16 @@ void shrink_chunk(const float* __restrict x, int64_t xs, const float* const* __r
     }
     T a[NV];
     for (int v = 0; v < NV; ++v) a[v] = vload<T>(arow[k] + c0 + v * W);
+    // One pointer walked down the rows, hidden from the optimiser after each step: left to itself, GCC kept
+    // a pointer per row (12 of them beside the loop's own), spilled them, and reloaded them from the stack
+    // inside this loop, and those reloads on top of the row broadcasts made the loop bound by its loads.
+    const float* xr = x + k;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const float xv = x[r * xs + k];
+      const float xv = *xr;
       for (int v = 0; v < NV; ++v) acc[r][v] += xv * a[v];
+      xr += xs;
+      asm("" : "+r"(xr));
     }
   }
   for (int r = 0; r < R; ++r)
