@@ -40,15 +40,26 @@ SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1
 HEAD_MAX_ROWS = 64  # the LM head only sees the last token of each sequence
 LAYERS = 30
 
+# Each backend: how it holds a weight [out, in] once, and how it multiplies x [M, in] by the held weight.
+PACKS = {"packed": cpu_linear.pack, "onednn": lambda w: cpu_gemm.pack(w, "onednn"), "mm": lambda w: w.t().contiguous()}
+CALLS = {"packed": lambda x, w: cpu_linear.linear(x, w, None),
+         "onednn": lambda x, w: cpu_gemm.linear(x, w, None, "onednn"), "mm": lambda x, w: x @ w}
+
+
+def hold(pack_one, baseline=None) -> tuple[dict, dict]:
+    """(held weights, CALLS) by backend: pack_one(pack) packs the case's weights one backend's way; the baseline
+    build, where given, multiplies by the current kernel's packed weights (the same copy, not another)."""
+    held = {b: pack_one(pack) for b, pack in PACKS.items()}
+    if baseline is None:
+        return held, CALLS
+    held["baseline"] = held["packed"]
+    return held, {**CALLS, "baseline": lambda x, w: baseline.linear(x, w.panels, None, w.out_features)}
+
 
 def time_shape(m: int, k: int, n: int, reps: int, baseline=None) -> dict[str, list[float]]:
     x, w = torch.randn(m, k), torch.randn(n, k)
-    packed, onednn, w_t = cpu_linear.pack(w), cpu_gemm.pack(w, "onednn"), w.t().contiguous()
-    calls = {"packed": lambda: cpu_linear.linear(x, packed, None),
-             "onednn": lambda: cpu_gemm.linear(x, onednn, None, "onednn"),
-             "mm": lambda: x @ w_t}
-    if baseline is not None:
-        calls["baseline"] = lambda: baseline.linear(x, packed.panels, None, packed.out_features)
+    held, fns = hold(lambda pack: pack(w), baseline)
+    calls = {b: (lambda f=f, h=held[b]: f(x, h)) for b, f in fns.items()}
     torch.testing.assert_close(calls["packed"](), calls["mm"](), rtol=1e-4, atol=1e-3 * k**0.5)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(reps):
@@ -73,14 +84,7 @@ def time_stream(m: int, layers: int, reps: int,
     xs = [torch.randn(m, k, generator=g) for _, k, _ in per_layer]
     xh = torch.randn(min(m, HEAD_MAX_ROWS), head_k, generator=g)
     flops = 2.0 * m * layers * sum(k * n for _, k, n in per_layer) + 2.0 * xh.shape[0] * head_k * head_n
-    packs = {"packed": lambda w: cpu_linear.pack(w), "onednn": lambda w: cpu_gemm.pack(w, "onednn"),
-             "mm": lambda w: w.t().contiguous()}
-    calls = {"packed": lambda x, w: cpu_linear.linear(x, w, None),
-             "onednn": lambda x, w: cpu_gemm.linear(x, w, None, "onednn"), "mm": lambda x, w: x @ w}
-    held = {b: ([[pack(w) for w in layer] for layer in weights], pack(head)) for b, pack in packs.items()}
-    if baseline is not None:
-        calls["baseline"] = lambda x, w: baseline.linear(x, w.panels, None, w.out_features)
-        held["baseline"] = held["packed"]
+    held, calls = hold(lambda pack: ([[pack(w) for w in layer] for layer in weights], pack(head)), baseline)
     torch.testing.assert_close(calls["packed"](xh, held["packed"][1]), calls["mm"](xh, held["mm"][1]),
                                rtol=1e-4, atol=1e-3 * head_k**0.5)
     diff = None
