@@ -6,7 +6,8 @@ every module), placed on the unified pool's pages, one layer's four projections 
 - blas: the GEMMs, then the LoRA of each segment as a BLAS GEMM pair (torch_sgmv.apply_segments);
 - sgmv: the GEMMs, then the C++ SGMV kernel's register-blocked long-segment path (cpu_sgmv.apply_lora);
 - fused: the shrink (cpu_sgmv.shrink) and the GEMMs with the expand in their epilogue (cpu_lora_gemm), the
-  engine's path.
+  engine's path;
+- shrink: fused's shrink alone (cpu_lora_gemm.shrink), so that fused's addition splits into it and the epilogue.
 The four alternate, call by call, in one process (this CPU's speed drifts over minutes); the table gives the
 25th-percentile time of each and what it adds to base, beside the LoRA's FLOPs at the 2048-square matmul rate
 measured in the same run (the floor); what a path adds is the median over rounds of its time minus base's
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from loraplex.kernels import LoraBatch, LoraSegment, cpu_linear, cpu_lora_gemm, cpu_sgmv, torch_sgmv
+from loraplex.kernels.cpu_build import compile_source
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
 from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
 from loraplex.unified_pager.geometry import PoolGeometry
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scatter", action="store_true",
                     help="adapters on pages in random order (default: each on a run of consecutive pages, as a "
                          "pool with free runs places them)")
+    ap.add_argument("--baseline-source", default=None,
+                    help="another cpu_linear.cpp (e.g. `git show REV:kernels/cpu_linear.cpp`): fused with its GEMM "
+                         "and epilogue, timed as path 'baseline' in the same rounds")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_lora_prefill.json"))
     args = ap.parse_args(argv)
     if not (cpu_linear.available() and cpu_sgmv.available()):
@@ -100,10 +105,30 @@ def main(argv: list[str] | None = None) -> dict:
         for (mods, b, _), w, x in zip(PROJECTIONS, weights, xs):
             cpu_lora_gemm.linear_lora(x, w, None, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b))
 
+    def shrink_only(lora: LoraBatch) -> None:  # fused's first half: what the epilogue adds is fused - shrink
+        parts = cpu_lora_gemm.split(lora, D)
+        for (mods, b, _), x in zip(PROJECTIONS, xs):
+            cpu_lora_gemm.shrink(x, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b))
+
+    def fused_with(ext):  # fused, the GEMM and its epilogue from another build of cpu_linear.cpp
+        def run(lora: LoraBatch) -> None:
+            parts = cpu_lora_gemm.split(lora, D)
+            f, t = parts.fused, parts.fused.device_tensors
+            for (mods, b, _), w, x in zip(PROJECTIONS, weights, xs):
+                cols = cpu_lora_gemm.ModuleColumns(mods, b)
+                sh, s_cols = cpu_lora_gemm.shrink(x, rows, f, 0, cols)
+                ext.linear_lora(x, w.panels, None, w.out_features, sh, rows, t.seg_start, t.seg_len, t.layout,
+                                t.scales, t.pages, f.segments[0].adapter.rows_per_page, 0, list(mods), list(b),
+                                s_cols)
+        return run
+
     calls = {"base": base,
              "blas": then_apply(lambda y, x, m, lora: torch_sgmv.apply_segments(y, x, rows, lora.segments, 0, m)),
              "sgmv": then_apply(lambda y, x, m, lora: cpu_sgmv.apply_lora(y, x, rows, lora, 0, m)),
-             "fused": fused}
+             "fused": fused,
+             "shrink": shrink_only}
+    if args.baseline_source:
+        calls["baseline"] = fused_with(compile_source(Path(args.baseline_source), "baseline_cpu_linear"))
     ceiling = matmul_gflops(2048, 3)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(args.reps + 1):
@@ -124,9 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
               "ceiling_gflops": ceiling,
               "lora_gflop": lora_flops / 1e9, "floor_ms": floor_s * 1e3,
               "ms_q1": {k: v * 1e3 for k, v in q1.items()},
-              "added_ms": {k: (v - q1["base"]) * 1e3 for k, v in q1.items() if k != "base"},
+              "added_ms": {k: (v - (0 if k == "shrink" else q1["base"])) * 1e3 for k, v in q1.items() if k != "base"},
               # each call against the base call of its own round: a drift between rounds cancels
-              "added_paired_median_ms": {k: statistics.median(t - b for t, b in zip(ts, times["base"])) * 1e3
+              # shrink runs without the GEMMs: what it adds is its own time
+              "added_paired_median_ms": {k: statistics.median(t - (0 if k == "shrink" else b)
+                                                              for t, b in zip(ts, times["base"])) * 1e3
                                          for k, ts in times.items() if k != "base"},
               "all_ms": {k: [t * 1e3 for t in ts] for k, ts in times.items()}}
     out = Path(args.out)

@@ -85,14 +85,27 @@ def linear_lora(
     cols: ModuleColumns,
 ) -> torch.Tensor:  # [T, out] = x @ W^T + b + each fused segment's LoRA delta
     x = x if x.stride(1) == 1 else x.contiguous()
+    s, s_cols = shrink(x, pool_rows, fused, layer, cols)
+    t = fused.device_tensors
+    return load_extension("cpu_linear").linear_lora(x, w.panels, b, w.out_features, s, pool_rows, t.seg_start,
+                                                    t.seg_len, t.layout, t.scales, t.pages,
+                                                    fused.segments[0].adapter.rows_per_page, layer,
+                                                    list(cols.modules), list(cols.bounds), s_cols)
+
+
+def shrink(
+    x: torch.Tensor,  # [T, in] float32, rows contiguous
+    pool_rows: torch.Tensor,  # [R, D]
+    fused: LoraBatch,
+    layer: int,
+    cols: ModuleColumns,
+) -> tuple[torch.Tensor, list[int]]:  # s [T, max_rank * modules] = scale * x @ A^T per module; its band starts
+    """linear_lora's first half: the fused segments' x @ A^T for every module of the projection (one pass
+    over x), each module in a column band of max_rank; a segment of lower rank leaves its band's tail unread."""
     r = fused.max_rank
-    # One column band of max_rank per module; a segment of lower rank leaves the band's tail unread.
     s_cols = [i * r for i in range(len(cols.modules))]
     s = torch.empty(x.shape[0], r * len(cols.modules), dtype=x.dtype)  # rows outside the segments: unread
     t = fused.device_tensors
-    rows_per_page = fused.segments[0].adapter.rows_per_page
     load_extension("cpu_sgmv").shrink(s, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
-                                      rows_per_page, layer, list(cols.modules), s_cols)
-    return load_extension("cpu_linear").linear_lora(x, w.panels, b, w.out_features, s, pool_rows, t.seg_start,
-                                                    t.seg_len, t.layout, t.scales, t.pages, rows_per_page, layer,
-                                                    list(cols.modules), list(cols.bounds), s_cols)
+                                      fused.segments[0].adapter.rows_per_page, layer, list(cols.modules), s_cols)
+    return s, s_cols
