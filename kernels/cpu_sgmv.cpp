@@ -629,28 +629,69 @@ std::vector<ModuleItem> plan_module(const SegTables& tb, int64_t layer, int64_t 
   return items;
 }
 
-// y [T, out] (row stride ys) += each planned item's delta from x [T, in].
-void run_module(const std::vector<ModuleItem>& items, float* yp, int64_t ys, int64_t out, const float* xp,
-                int64_t xs, int64_t in, const SegTables& tb, int64_t layer, int64_t module) {
+// One planned item of module g: y's columns of that module start at yp + col.
+struct GroupItem { ModuleItem it; int64_t module, col, out; };
+
+// The items' work in about equal shares, one contiguous run of items per thread: their cost is the adapter
+// bytes they read (A^T and B^T: rank x (in + out) floats) and their tokens' FMAs beside them. A decode
+// step's items are one or a few tokens of one adapter each, of ranks 8 and 16 mixed: split by count (as
+// at::parallel_for does), one thread's half held more rank-16 adapters than the other's and the other waited
+// for it at the end of every module (a barrier per module, 7 a layer).
+std::vector<int64_t> balanced_cuts(const std::vector<GroupItem>& items, const SegTables& tb, int64_t layer, int64_t in,
+                                   int64_t parts) {
+  std::vector<double> cost(items.size());
+  double total = 0;
+  for (size_t n = 0; n < items.size(); ++n) {
+    const GroupItem& g = items[n];
+    const int32_t rank = tb.entry(g.it.seg, layer, g.module)[0];
+    cost[n] = static_cast<double>(rank) * static_cast<double>(in + g.out) * (4.0 + g.it.nt);
+    total += cost[n];
+  }
+  std::vector<int64_t> cuts{0};
+  double acc = 0;
+  for (size_t n = 0; n < items.size() && static_cast<int64_t>(cuts.size()) < parts; ++n) {
+    const double target = total * static_cast<double>(cuts.size()) / static_cast<double>(parts);
+    // Cut before item n when that leaves the share closer to its target than taking n would.
+    if (acc + cost[n] > target && target - acc < acc + cost[n] - target) cuts.push_back(static_cast<int64_t>(n));
+    acc += cost[n];
+  }
+  while (static_cast<int64_t>(cuts.size()) <= parts) cuts.push_back(static_cast<int64_t>(items.size()));
+  for (size_t i = 1; i < cuts.size(); ++i) cuts[i] = std::max(cuts[i], cuts[i - 1]);
+  return cuts;
+}
+
+// y [T, ...] (row stride ys) += each planned item's delta from x [T, in]: every module's items in one parallel
+// region, balanced_cuts' shares one per thread.
+void run_items(const std::vector<GroupItem>& items, float* yp, int64_t ys, const float* xp, int64_t xs, int64_t in,
+               const SegTables& tb, int64_t layer) {
   if (items.empty()) return;
   const int64_t d = tb.d;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n) {
-      const ModuleItem& it = items[n];
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  const std::vector<int64_t> cuts = balanced_cuts(items, tb, layer, in, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t n = cuts[p0]; n < cuts[p1]; ++n) {
+      const ModuleItem& it = items[n].it;
+      const int64_t module = items[n].module, out = items[n].out;
+      float* y = yp + items[n].col;
       const int32_t* l = tb.entry(it.seg, layer, module);
       const float scale = tb.scale(it.seg, layer, module);
       const Pages p = tb.pages_of(it.seg);
       if (it.blocked)
-        long_item(yp + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
+        long_item(y + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
                   static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
       else if (few_ok(it.nt, l[0], d))
-        few_block(yp + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
+        few_block(y + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
                   static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
       else
-        apply_block(yp + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
+        apply_block(y + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
                     static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
     }
   });
+}
+
+void add_module(std::vector<GroupItem>& items, const std::vector<ModuleItem>& planned, int64_t module, int64_t col,
+                int64_t out) {
+  for (const ModuleItem& it : planned) items.push_back({it, module, col, out});
 }
 
 void check_yx(const torch::Tensor& y, const torch::Tensor& x) {
@@ -671,12 +712,13 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
                 int64_t rows_per_page, int64_t layer, int64_t module, int64_t max_len) {
   check_yx(y, x);
   const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
-  run_module(plan_module(tb, layer, module, y.size(1), y.size(0), max_len), y.data_ptr<float>(), y.stride(0),
-             y.size(1), x.data_ptr<float>(), x.stride(0), x.size(1), tb, layer, module);
+  std::vector<GroupItem> items;
+  add_module(items, plan_module(tb, layer, module, y.size(1), y.size(0), max_len), module, 0, y.size(1));
+  run_items(items, y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), x.size(1), tb, layer);
 }
 
 // apply_lora of modules[g] on y's columns [bounds[g], bounds[g + 1]) for modules that share x and one fused
-// output (q | k | v, gate | up), one module after another: one call from Python per fused projection, where
+// output (q | k | v, gate | up), in one parallel region (run_items): one call from Python per fused projection, where
 // a call per module cost the engine's decode step ~10 us of Python and argument passing each (210 a step).
 void apply_lora_group(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
                       torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
@@ -687,13 +729,11 @@ void apply_lora_group(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows,
   TORCH_CHECK(bounds.front() >= 0 && bounds.back() <= y.size(1), "module columns outside y");
   for (size_t g = 0; g < modules.size(); ++g) TORCH_CHECK(bounds[g + 1] > bounds[g], "empty module columns");
   const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
-  std::vector<std::vector<ModuleItem>> plans;  // all modules checked before any is applied
+  std::vector<GroupItem> items;  // all modules checked (planned) before any is applied
   for (size_t g = 0; g < modules.size(); ++g)
-    plans.push_back(plan_module(tb, layer, modules[g], bounds[g + 1] - bounds[g], y.size(0), max_len));
-  float* yp = y.data_ptr<float>();
-  for (size_t g = 0; g < modules.size(); ++g)
-    run_module(plans[g], yp + bounds[g], y.stride(0), bounds[g + 1] - bounds[g], x.data_ptr<float>(), x.stride(0),
-               x.size(1), tb, layer, modules[g]);
+    add_module(items, plan_module(tb, layer, modules[g], bounds[g + 1] - bounds[g], y.size(0), max_len), modules[g],
+               bounds[g], bounds[g + 1] - bounds[g]);
+  run_items(items, y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), x.size(1), tb, layer);
 }
 
 // s[seg rows, s_cols[i] : s_cols[i] + rank] = scale * x[seg rows] @ A^T of modules[i], for every
