@@ -48,12 +48,9 @@ def apply_lora(
     if not _kernel_takes(ext, y, lora):
         torch_sgmv.apply_lora(y, x, pool_rows, lora, layer, module)
         return
-    t = lora.device_tensors
-    rows_per_page = lora.segments[0].adapter.rows_per_page
     x = x if x.stride(1) == 1 else x.contiguous()
-    ext.apply_lora(y, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages, rows_per_page, layer,
-                   module, LONG_SEGMENT)
-    long = _long_segments(lora, layer, module, pool_rows.shape[1])
+    ext.apply_lora(y, x, pool_rows, *_tables(lora), layer, module, LONG_SEGMENT)
+    long = _long_segments(lora, layer, module, pool_rows.shape[1]) if _any_long(lora) else ()
     if long:
         torch_sgmv.apply_segments(y, x, pool_rows, long, layer, module)
 
@@ -74,14 +71,32 @@ def apply_lora_group(
         for m, lo, hi in zip(modules, bounds, bounds[1:]):
             torch_sgmv.apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m)
         return
-    t = lora.device_tensors
     x = x if x.stride(1) == 1 else x.contiguous()
-    ext.apply_lora_group(y, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
-                         lora.segments[0].adapter.rows_per_page, layer, modules, bounds, LONG_SEGMENT)
-    for m, lo, hi in zip(modules, bounds, bounds[1:]):
-        long = _long_segments(lora, layer, m, pool_rows.shape[1])
-        if long:
-            torch_sgmv.apply_segments(y[:, lo:hi], x, pool_rows, long, layer, m)
+    ext.apply_lora_group(y, x, pool_rows, *_tables(lora), layer, modules, bounds, LONG_SEGMENT)
+    if _any_long(lora):
+        for m, lo, hi in zip(modules, bounds, bounds[1:]):
+            long = _long_segments(lora, layer, m, pool_rows.shape[1])
+            if long:
+                torch_sgmv.apply_segments(y[:, lo:hi], x, pool_rows, long, layer, m)
+
+
+def _tables(lora: LoraBatch) -> tuple:
+    """The kernel's segment-table arguments (seg_start, seg_len, layout, scales, pages, rows_per_page), cached
+    on the batch: a decode step makes 120 calls with the same ones."""
+    hit = lora.plan_cache.get("cpu_tables")
+    if hit is None:
+        t = lora.device_tensors
+        hit = lora.plan_cache["cpu_tables"] = (t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
+                                               lora.segments[0].adapter.rows_per_page)
+    return hit
+
+
+def _any_long(lora: LoraBatch) -> bool:
+    """Whether any segment is long enough that the kernel may leave it to BLAS (never in a decode step)."""
+    hit = lora.plan_cache.get("cpu_any_long")
+    if hit is None:
+        hit = lora.plan_cache["cpu_any_long"] = any(s.length > LONG_SEGMENT for s in lora.segments)
+    return hit
 
 
 def _kernel_takes(ext, y: torch.Tensor, lora: LoraBatch) -> bool:
