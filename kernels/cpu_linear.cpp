@@ -113,7 +113,6 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
   if (k < K) fma_k<R>(a0, a1, x, xs, k, load(w + k * NR), load(w + k * NR + V));
   // The adapter's delta joins the accumulators before the one store: y is written once, where a
   // separate SGMV pass would read and write it again (at prefill sizes, from L3 or memory).
-  // s's rows walked as x's are (fma_k): written as s[r * ss + k], GCC kept a pointer or offset per row here too.
   for (int k = 0; k < lora.rank; ++k) fma_k<R>(a0, a1, lora.s, lora.ss, k, load(lora.bcol[k]), load(lora.bcol[k] + V));
   vec b0{}, b1{};
   if (bias != nullptr && ncols == NR) b0 = load(bias), b1 = load(bias + V);
@@ -167,45 +166,19 @@ struct LoraPlan {
   int64_t ss;
   std::vector<int64_t> modules, bounds, s_cols;  // module i: output columns [bounds[i], bounds[i + 1])
   std::vector<Piece> pieces;                     // in row order, covering every row
-  // brow[first[seg * modules + i] + k * (out_i / D) + j]: pool row j of B^T's row k, module i of segment seg
-  // (out_i = its column count). Built once per call (rows): finding them per block and panel instead, a
-  // division per k, cost up to a third of the epilogue at 32-token segments (RESULTS.md, nineteenth session).
-  std::vector<const float*> brow;
-  std::vector<int64_t> first;
 
-  void rows() {
-    const int64_t nm = static_cast<int64_t>(modules.size());
-    first.assign(tb.num_segs * nm, -1);
-    for (const Piece& pc : pieces) {
-      if (pc.seg < 0) continue;
-      const Pages pg = tb.pages_of(pc.seg);
-      for (int64_t i = 0; i < nm; ++i) {
-        const int32_t* l = tb.entry(pc.seg, layer, modules[i]);
-        const int64_t n = l[0] * ((bounds[i + 1] - bounds[i]) / tb.d);
-        first[pc.seg * nm + i] = static_cast<int64_t>(brow.size());
-        // B^T [rank, out] is stored row-major from logical row b_row: its pool rows follow one another
-        // within a page, so one division per page crossed.
-        int64_t run = 0;
-        const float* p = nullptr;
-        for (int64_t j = 0; j < n; ++j) {
-          if (run < tb.d) p = pg.at((l[2] + j) * tb.d, &run);
-          brow.push_back(p);
-          p += tb.d, run -= tb.d;
-        }
-      }
-    }
-  }
-
-  // The epilogue of segment seg's rows (from row r) at panel columns [c, c + NR), which lie in one D-wide
-  // pool row of each of B^T's rows.
+  // The epilogue of segment seg's rows (from row r) at panel columns [c, c + NR).
   Epilogue at(int64_t seg, int64_t r, int64_t c, const float** bcol) const {
     size_t i = 0;
     while (c >= bounds[i + 1]) ++i;
-    const int rank = tb.entry(seg, layer, modules[i])[0];
-    const int64_t col = c - bounds[i], per_k = (bounds[i + 1] - bounds[i]) / tb.d;
-    const float* const* b = brow.data() + first[seg * static_cast<int64_t>(modules.size()) + i] + col / tb.d;
-    const int64_t off = col % tb.d;
-    for (int k = 0; k < rank; ++k) bcol[k] = b[k * per_k] + off;
+    const int32_t* l = tb.entry(seg, layer, modules[i]);
+    const int rank = l[0];
+    const int64_t out = bounds[i + 1] - bounds[i];
+    const Pages pg = tb.pages_of(seg);
+    int64_t run;
+    // B^T [rank, out] is stored row-major from logical row b_row; NR columns lie in one D-wide pool row.
+    const int64_t first = static_cast<int64_t>(l[2]) * tb.d + (c - bounds[i]);
+    for (int k = 0; k < rank; ++k) bcol[k] = pg.at(first + k * out, &run);
     return Epilogue{s + r * ss + s_cols[i], ss, bcol, rank};
   }
 };
@@ -236,25 +209,10 @@ torch::Tensor run(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Te
   const int64_t xs = x.stride(0);
   const int64_t chunk = std::max<int64_t>(MR, X_CHUNK_BYTES / (std::max<int64_t>(K, 1) * 4) / MR * MR);
   const LoraPlan::Piece whole{0, M, -1};
-  // Chunk ends: every `chunk` rows, or with segments at the last segment end within a chunk (when it leaves
-  // the chunk at least half full): a chunk end inside a segment cuts it into two runs of blocks, and their
-  // short remainders (blocks of 8 rows and fewer at 32-token segments) do fewer FMAs per weight loaded.
-  std::vector<int64_t> ends;
-  for (int64_t m0 = 0; m0 < M;) {
-    int64_t m1 = std::min(chunk, M - m0) + m0;
-    if (plan != nullptr && m1 < M) {
-      int64_t at_seg = m0;
-      for (const LoraPlan::Piece& pc : plan->pieces)
-        if (pc.r1 > m0 && pc.r1 <= m1) at_seg = pc.r1;
-      if (at_seg - m0 >= chunk / 2) m1 = at_seg;
-    }
-    ends.push_back(m1);
-    m0 = m1;
-  }
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     const float* bcol[LoraPlan::MAX_RANK];
-    int64_t m0 = 0;
-    for (const int64_t m1 : ends) {
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t m1 = std::min(chunk, M - m0) + m0;
       for (int64_t p = p0; p < p1; ++p) {
         const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
         const float* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
@@ -269,7 +227,6 @@ torch::Tensor run(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Te
           next = nullptr;
         }
       }
-      m0 = m1;
     }
   });
   return y;
@@ -330,7 +287,6 @@ torch::Tensor linear_lora(torch::Tensor x, torch::Tensor panels, c10::optional<t
     r = start + ln[g];
   }
   if (r < M) plan.pieces.push_back({r, M, -1});
-  plan.rows();
   return run(x, panels, bias, n, &plan);
 }
 
