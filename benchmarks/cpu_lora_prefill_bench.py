@@ -8,7 +8,7 @@ every module), placed on the unified pool's pages, one layer's four projections 
 - fused: the shrink (cpu_sgmv.shrink) and the GEMMs with the expand in their epilogue (cpu_lora_gemm), the
   engine's path;
 - shrink: fused's shrink alone (cpu_lora_gemm.shrink), so that fused's addition splits into it and the epilogue.
-The four alternate, call by call, in one process (this CPU's speed drifts over minutes); the table gives the
+The paths alternate, call by call, in one process (this CPU's speed drifts over minutes); the table gives the
 25th-percentile time of each and what it adds to base, beside the LoRA's FLOPs at the 2048-square matmul rate
 measured in the same run (the floor); what a path adds is the median over rounds of its time minus base's
 in the same round. Writes JSON (--out).

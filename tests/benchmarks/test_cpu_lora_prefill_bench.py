@@ -20,6 +20,21 @@ def test_bench_times_every_path_and_writes_json(tmp_path):
     result = cpu_lora_prefill_bench.main(["--segments", "2", "--tokens", "20", "--rank", "8", "--reps", "2",
                                           "--out", str(out)])
     assert json.loads(out.read_text()) == result
-    assert set(result["ms_q1"]) == {"base", "blas", "sgmv", "fused"}
+    assert set(result["ms_q1"]) == {"base", "blas", "sgmv", "fused", "shrink"}
     assert all(t > 0 for t in result["ms_q1"].values())
+    # The shrink runs without the GEMMs: what it adds is its own time, less than the fused path's whole call.
+    assert result["added_ms"]["shrink"] == result["ms_q1"]["shrink"]
+    assert result["ms_q1"]["shrink"] < result["ms_q1"]["fused"]
     assert result["lora_gflop"] == 2 * 40 * 8 * (576 * 7 + 192 * 2 + 576 * 2 + 1536 * 3) / 1e9
+
+
+def test_bench_times_an_earlier_build_beside_the_kernel(tmp_path):
+    """--baseline-source: another cpu_linear.cpp (here the kernel's own source, built under another name) runs as
+    path 'baseline' in the same rounds."""
+    require_built("cpu_linear", cpu_linear.available(), "linear kernel")
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    src = Path(cpu_linear.__file__).with_suffix(".cpp")
+    result = cpu_lora_prefill_bench.main(["--segments", "2", "--tokens", "20", "--rank", "8", "--reps", "2",
+                                          "--baseline-source", str(src), "--out", str(tmp_path / "p.json")])
+    assert set(result["ms_q1"]) == {"base", "blas", "sgmv", "fused", "shrink", "baseline"}
+    assert result["ms_q1"]["baseline"] > 0 and len(result["all_ms"]["baseline"]) == 2
