@@ -11,10 +11,11 @@
 // consecutive tokens (causal inside the chunk, full over the cached tokens before it).
 // One work item is (tile, kv head): all query heads of that kv head's group (and all tokens of
 // the tile) are computed together, so each K/V row is read from memory once per item. Items
-// with few rows (decode) run "by rows" (run_item: a row's scores for 16 keys in one vector);
-// items with many rows (prefill tiles) run "in lanes" (run_item_lanes: 16 rows in one vector).
+// with few rows (decode) run "by rows" (run_item: a row's scores for a chunk of VL keys in one
+// vector); items with many rows (prefill tiles) run "in lanes" (run_item_lanes: VL rows in one vector).
+// VL (below) is 16 with AVX-512, 8 without.
 //
-// Softmax is online (running max, rescaled sums) in float32, one chunk of up to 16 keys at a time.
+// Softmax is online (running max, rescaled sums) in float32, one chunk of up to VL keys at a time.
 // Keys at or past a row's limit are never read: pool slots past a sequence's length may hold
 // anything (NaN included), and 0 * NaN would still poison the output.
 
@@ -35,9 +36,17 @@
 
 namespace {
 
-// One vector of 16 floats: a single AVX-512 register here (-march=native), two AVX2 registers or
-// four NEON ones elsewhere; GCC/Clang vector extensions keep the code portable.
+// One vector: 16 floats, one AVX-512 register, where the build has AVX-512; 8 floats, one AVX2 register (or two
+// NEON ones), elsewhere. GCC/Clang vector extensions keep the code portable. A vector is also a chunk of keys
+// and, in the lanes path, a group of query rows: every loop below keeps a vector's worth of vectors in
+// registers (scores of a chunk's keys, acc^T columns), 16 of the 32 AVX-512 registers. With 16-float vectors
+// on AVX2 those arrays took all 16 registers twice over and spilled: prefill 1 x 512 tokens, 2 threads, AMD
+// EPYC (AVX2, twentieth session), 35.0 ms a layer call against 13.1 for torch's SDPA.
+#if defined(__AVX512F__)
 constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 
@@ -108,7 +117,8 @@ inline float dot(const float* a, const float* b, int d) {
 // Lane i of the result = the sum of the lanes of part[i]: 16 horizontal sums in 30 shuffles and
 // 15 adds (one reduce_add per sum would take 64 shuffles). Each step halves the partial sums per
 // key and doubles the keys per vector.
-__attribute__((always_inline)) inline vf reduce16(const vf* part) {
+#if defined(__AVX512F__)
+__attribute__((always_inline)) inline vf reduce_lanes(const vf* part) {
   vf s1[8], s2[4], s3[2];
   for (int k = 0; k < 8; ++k) {  // lanes 0-7: key 2k, 8-15: key 2k+1
     const vf a = part[2 * k], b = part[2 * k + 1];
@@ -128,6 +138,22 @@ __attribute__((always_inline)) inline vf reduce16(const vf* part) {
   return __builtin_shufflevector(s3[0], s3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(s3[0], s3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+// The same for 8 lanes: 8 sums in 14 shuffles and 7 adds.
+__attribute__((always_inline)) inline vf reduce_lanes(const vf* part) {
+  vf s1[4], s2[2];
+  for (int k = 0; k < 4; ++k) {  // lanes 0-3: key 2k, 4-7: key 2k+1
+    const vf a = part[2 * k], b = part[2 * k + 1];
+    s1[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int k = 0; k < 2; ++k) {  // 2 lanes per key: keys 4k .. 4k+3 in order
+    const vf a = s1[2 * k], b = s1[2 * k + 1];
+    s2[k] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  return __builtin_shufflevector(s2[0], s2[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(s2[0], s2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 // Scores of one query row (scaled q, padded to whole vectors) against up to 16 keys: lane i is
 // q . k[i] for i < n, -inf past n (keys the row may not see, never read).
@@ -136,7 +162,8 @@ __attribute__((always_inline)) inline vf reduce16(const vf* part) {
 template <int NV>
 __attribute__((always_inline)) inline vf chunk_scores(const float* qr, const float* const* k, int n, int d,
                                                       int64_t off = 0) {
-  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  vi lane;
+  for (int i = 0; i < VL; ++i) lane[i] = i;
   const vf ninf = splat(-std::numeric_limits<float>::infinity());
   vf s;
   if constexpr (NV > 0) {
@@ -152,7 +179,7 @@ __attribute__((always_inline)) inline vf chunk_scores(const float* qr, const flo
         part[i] = vf{};
       }
     }
-    s = reduce16(part);
+    s = reduce_lanes(part);
   } else {
     alignas(64) float t[VL] = {};
     for (int i = 0; i < n; ++i) t[i] = dot(qr, k[i] + off, d);
@@ -593,9 +620,9 @@ void paged_attention(torch::Tensor out,          // [T, H, D] float32, last dim 
              H / kvh, (float)scale};
   bool ok;
   switch (d) {
-    case 32: ok = run_all<2>(pb, W); break;
-    case 64: ok = run_all<4>(pb, W); break;
-    case 128: ok = run_all<8>(pb, W); break;
+    case 32: ok = run_all<32 / VL>(pb, W); break;
+    case 64: ok = run_all<64 / VL>(pb, W); break;
+    case 128: ok = run_all<128 / VL>(pb, W); break;
     default: ok = run_all<0>(pb, W); break;
   }
   TORCH_CHECK(ok, "a tile's sequence, length or page lies outside the block tables or the pool");
