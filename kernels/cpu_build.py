@@ -21,7 +21,7 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -82,9 +82,11 @@ def _compile(stem: str) -> ModuleType:
     return compile_source(Path(__file__).with_name(f"{stem}.cpp"), f"loraplex_{stem}")
 
 
-def compile_source(src: Path, prefix: str) -> ModuleType:
+def compile_source(src: Path, prefix: str, extra_cflags: Sequence[str] = ()) -> ModuleType:
     """Build (or load from the cache) one C++ source with the kernels' flags, as module <prefix>_<key>. Besides
-    the kernels here, benchmarks build an earlier version of a kernel with it, to time both in one process."""
+    the kernels here, benchmarks build an earlier version of a kernel with it, to time both in one process.
+    extra_cflags go after the kernels' own (the tests build the AVX2 variants on an AVX-512 CPU with
+    -mno-avx512f, so that both vector widths are checked on any x86 machine)."""
     from torch.utils import cpp_extension
 
     # The name carries the source's hash: a changed kernel never loads a stale build. It also carries the
@@ -97,14 +99,15 @@ def compile_source(src: Path, prefix: str) -> ModuleType:
     # header rebuilds the kernels that may include it.
     here = Path(__file__).parent
     headers = b"".join(h.read_bytes() for h in sorted(here.glob("*.h")))
-    key = (src.read_bytes() + headers + " ".join(CFLAGS).encode() + cpu_identity().encode()
+    cflags = [*CFLAGS, *extra_cflags]
+    key = (src.read_bytes() + headers + " ".join(cflags).encode() + cpu_identity().encode()
            + str(src.parent.resolve()).encode())
     digest = hashlib.sha256(key).hexdigest()[:12]
     name = f"{prefix}_{digest}"
     # A source from elsewhere (an earlier version of a kernel) still finds the headers here.
     include = [] if src.parent.resolve() == here.resolve() else [str(here)]
     with build_guard(Path(cpp_extension._get_build_directory(name, verbose=False))):
-        return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=cflags, extra_ldflags=LDFLAGS,
                                   extra_include_paths=include, verbose=False)
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +199,45 @@ def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing(ext):
     with pytest.raises(RuntimeError, match="outside the pool"):
         ext.write_kv(case.kv_pool, case.k, case.v, pages, case.meta.slot_offsets)
     torch.testing.assert_close(case.kv_pool, before, rtol=0, atol=0, equal_nan=True)
+
+
+# -- the AVX2 build (8-float vectors) on any x86 CPU --------------------------------------------------------
+# The kernel's vector width follows the build: 16 floats with AVX-512, 8 without. The machine that runs the
+# tests builds only its own, so the other width is built here too, with AVX-512 turned off (on a CPU without
+# it that build is the native one, under another name).
+
+
+@pytest.fixture(scope="module")
+def ext_avx2(ext):
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("-mno-avx512f is an x86 flag")
+    src = Path(cpu_attention.__file__).with_name(f"{cpu_attention.STEM}.cpp")
+    return cpu_build.compile_source(src, "test_avx2_cpu_attention", extra_cflags=["-mno-avx512f"])
+
+
+@FAST
+@given(spec=attention_specs())
+def test_avx2_build_mixed_batches_match_float64(ext_avx2, spec):
+    out, ref, _ = run_kernel(ext_avx2, spec)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("head_dim", [64, 32, 128, 24])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_avx2_build_edge_lengths_match_float64(ext_avx2, group, head_dim):
+    """test_blocks_of_16_mid_block_and_across_blocks' cases: here the key chunks are 8 long."""
+    spec = AttentionSpec(block_size=16, kv_heads=2, group=group, head_dim=head_dim,
+                         seqs=((6, 1), (7, 1), (8, 1), (15, 1), (16, 1), (0, 1), (100, 1), (21, 19), (0, 33),
+                               (130, 5), (3, 13)),
+                         layer=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    out, ref, _ = run_kernel(ext_avx2, spec, strided_q=True)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("prefill_rows", [1, 8, 16, 40, 96])
+def test_avx2_build_prefill_tiles_match_float64(ext_avx2, monkeypatch, prefill_rows):
+    monkeypatch.setattr(cpu_attention, "PREFILL_ROWS", prefill_rows)
+    spec = AttentionSpec(block_size=16, kv_heads=3, group=3, head_dim=64, seqs=((0, 37), (40, 17), (5, 1)),
+                         layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    out, ref, _ = run_kernel(ext_avx2, spec)
+    assert rel_err(out, ref) < TOL
