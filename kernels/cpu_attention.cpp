@@ -155,7 +155,7 @@ __attribute__((always_inline)) inline vf reduce_lanes(const vf* part) {
 }
 #endif
 
-// Scores of one query row (scaled q, padded to whole vectors) against up to 16 keys: lane i is
+// Scores of one query row (scaled q, padded to whole vectors) against up to VL keys: lane i is
 // q . k[i] for i < n, -inf past n (keys the row may not see, never read).
 // NV: vectors per head row when head_dim is 32, 64 or 128, known at compile time (the loops
 // unroll and the partial sums stay in registers); 0: any head_dim, with a scalar tail.

@@ -655,8 +655,8 @@ std::vector<int64_t> balanced_cuts(const std::vector<GroupItem>& items, const Se
     if (acc + cost[n] > target && target - acc < acc + cost[n] - target) cuts.push_back(static_cast<int64_t>(n));
     acc += cost[n];
   }
+  // Cuts are pushed at increasing n, so they are already in order; the rest end at the last item.
   while (static_cast<int64_t>(cuts.size()) <= parts) cuts.push_back(static_cast<int64_t>(items.size()));
-  for (size_t i = 1; i < cuts.size(); ++i) cuts[i] = std::max(cuts[i], cuts[i - 1]);
   return cuts;
 }
 
