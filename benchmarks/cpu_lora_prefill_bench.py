@@ -100,32 +100,22 @@ def main(argv: list[str] | None = None) -> dict:
                     apply(y[:, lo:hi], x, m, lora)
         return run
 
-    def fused(lora: LoraBatch) -> None:
-        parts = cpu_lora_gemm.split(lora, D)
-        for (mods, b, _), w, x in zip(PROJECTIONS, weights, xs):
-            cpu_lora_gemm.linear_lora(x, w, None, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b))
-
     def shrink_only(lora: LoraBatch) -> None:  # fused's first half: what the epilogue adds is fused - shrink
         parts = cpu_lora_gemm.split(lora, D)
         for (mods, b, _), x in zip(PROJECTIONS, xs):
             cpu_lora_gemm.shrink(x, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b))
 
-    def fused_with(ext):  # fused, the GEMM and its epilogue from another build of cpu_linear.cpp
+    def fused_with(ext):  # the engine's path, with the GEMM and its epilogue from build ext (None: this checkout's)
         def run(lora: LoraBatch) -> None:
             parts = cpu_lora_gemm.split(lora, D)
-            f, t = parts.fused, parts.fused.device_tensors
             for (mods, b, _), w, x in zip(PROJECTIONS, weights, xs):
-                cols = cpu_lora_gemm.ModuleColumns(mods, b)
-                sh, s_cols = cpu_lora_gemm.shrink(x, rows, f, 0, cols)
-                ext.linear_lora(x, w.panels, None, w.out_features, sh, rows, t.seg_start, t.seg_len, t.layout,
-                                t.scales, t.pages, f.segments[0].adapter.rows_per_page, 0, list(mods), list(b),
-                                s_cols)
+                cpu_lora_gemm.linear_lora(x, w, None, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b), ext)
         return run
 
     calls = {"base": base,
              "blas": then_apply(lambda y, x, m, lora: torch_sgmv.apply_segments(y, x, rows, lora.segments, 0, m)),
              "sgmv": then_apply(lambda y, x, m, lora: cpu_sgmv.apply_lora(y, x, rows, lora, 0, m)),
-             "fused": fused,
+             "fused": fused_with(None),
              "shrink": shrink_only}
     if args.baseline_source:
         calls["baseline"] = fused_with(compile_source(Path(args.baseline_source), "baseline_cpu_linear"))

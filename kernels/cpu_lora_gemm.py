@@ -16,6 +16,7 @@ Which models: a pool row width D and module boundaries that are multiples of the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -83,11 +84,13 @@ def linear_lora(
     fused: LoraBatch,  # FusedSplit.fused
     layer: int,
     cols: ModuleColumns,
+    ext: ModuleType | None = None,
 ) -> torch.Tensor:  # [T, out] = x @ W^T + b + each fused segment's LoRA delta
+    """ext: the cpu_linear build to run (default: this checkout's; benchmarks pass an earlier one's)."""
     x = x if x.stride(1) == 1 else x.contiguous()
     s, s_cols = shrink(x, pool_rows, fused, layer, cols)
     t = fused.device_tensors
-    return load_extension("cpu_linear").linear_lora(x, w.panels, b, w.out_features, s, pool_rows, t.seg_start,
+    return (ext or load_extension("cpu_linear")).linear_lora(x, w.panels, b, w.out_features, s, pool_rows, t.seg_start,
                                                     t.seg_len, t.layout, t.scales, t.pages,
                                                     fused.segments[0].adapter.rows_per_page, layer,
                                                     list(cols.modules), list(cols.bounds), s_cols)
