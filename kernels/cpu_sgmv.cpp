@@ -554,6 +554,35 @@ inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict
     }
 }
 
+// The AVX2 build's decode expand: y_t[:out] += s_t @ B^T for NT tokens in sweeps over KB of B^T's rows at a
+// time, each pool row of those rows read front to back, y's NT rows (in L1) loaded and stored once per KB
+// rows. few_expand's column chunks walk B^T's rank rows in strides, and on the AMD EPYC (Zen 1) dev CPU
+// they cost twice the read of their bytes: one B=64 decode step's LoRA (30 adapters of ranks 8/16, 2-3
+// tokens each, 30 layers; benchmarks/cpu_lora_decode_bench.py, builds alternating in one process, 2
+// threads) 43.4 -> 39.8 ms with KB = 4, 47.5 -> ~47 with KB 1, 2, or a prefetch of the next KB rows.
+template <int NT, int KB>
+inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__restrict s)[MAX_RANK],
+                            const float* const* rows, int rank, int64_t out, int64_t d) {
+  static_assert(8 % KB == 0, "the decode kernels' ranks (8, 16, 32, 64: few_ok) are multiples of KB");
+  const int64_t per_k = out / d;
+  for (int k = 0; k < rank; k += KB)
+    for (int64_t j = 0; j < per_k; ++j) {
+      const float* __restrict b[KB];
+#pragma GCC unroll 16
+      for (int q = 0; q < KB; ++q) b[q] = rows[(k + q) * per_k + j];
+      float* __restrict yj = y + j * d;
+      for (int64_t off = 0; off < d; off += VEC) {
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t) {
+          vecv acc = vload<vecv>(yj + t * ys + off);
+#pragma GCC unroll 16
+          for (int q = 0; q < KB; ++q) acc += s[t][k + q] * vload<vecv>(b[q] + off);
+          vstore<vecv>(yj + t * ys + off, acc);
+        }
+      }
+    }
+}
+
 // Column vectors per expand pass: 4 where D holds them (and the registers do), else 2, else 1.
 template <int NT>
 inline int few_nw(int64_t d) {
@@ -578,6 +607,10 @@ void few_block_n(float* y, int64_t ys, const float* x, int64_t xs, const Pages& 
       }
   }
   const std::vector<const float*> rows = b_rows(pg, b_elem, rank * out / d, d);
+  if constexpr (VEC != 16) {
+    few_expand_rows<NT, 4>(y, ys, s, rows.data(), rank, out, d);
+    return;
+  }
   switch (few_nw<NT>(d)) {
     case 4: few_expand<NT, 4>(y, ys, s, rows.data(), rank, out, d); break;
     case 2: few_expand<NT, 2>(y, ys, s, rows.data(), rank, out, d); break;

@@ -9,6 +9,7 @@ the torch path, so callers never need to know which one ran.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -42,15 +43,17 @@ def apply_lora(
     lora: LoraBatch,
     layer: int,
     module: int,
+    ext: ModuleType | None = None,
 ) -> None:
-    """y += each token's adapter delta for (layer, module); tokens without one are untouched."""
-    ext = load_extension("cpu_sgmv")
+    """y += each token's adapter delta for (layer, module); tokens without one are untouched. ext: the
+    kernel's build to run (default this checkout's; tests and benchmarks pass other builds of it)."""
+    ext = ext or load_extension("cpu_sgmv")
     if not _kernel_takes(ext, y, lora):
         torch_sgmv.apply_lora(y, x, pool_rows, lora, layer, module)
         return
     x = x if x.stride(1) == 1 else x.contiguous()
     ext.apply_lora(y, x, pool_rows, *_tables(lora), layer, module, LONG_SEGMENT)
-    long = _long_segments(lora, layer, module, pool_rows.shape[1]) if _any_long(lora) else ()
+    long = _long_segments(lora, layer, module, pool_rows.shape[1], ext) if _any_long(lora) else ()
     if long:
         torch_sgmv.apply_segments(y, x, pool_rows, long, layer, module)
 
@@ -63,10 +66,12 @@ def apply_lora_group(
     layer: int,
     modules: Sequence[int],
     bounds: Sequence[int],  # module g owns columns bounds[g] .. bounds[g + 1] of y
+    ext: ModuleType | None = None,
 ) -> None:
     """apply_lora of each module on its columns of y (modules sharing x: q | k | v, gate | up), in one call
-    of the kernel: a decode step makes 120 such calls instead of 210, each with one set of checks."""
-    ext = load_extension("cpu_sgmv")
+    of the kernel: a decode step makes 120 such calls instead of 210, each with one set of checks. ext: as
+    apply_lora's."""
+    ext = ext or load_extension("cpu_sgmv")
     if not _kernel_takes(ext, y, lora):
         for m, lo, hi in zip(modules, bounds, bounds[1:]):
             torch_sgmv.apply_lora(y[:, lo:hi], x, pool_rows, lora, layer, m)
@@ -75,7 +80,7 @@ def apply_lora_group(
     ext.apply_lora_group(y, x, pool_rows, *_tables(lora), layer, modules, bounds, LONG_SEGMENT)
     if _any_long(lora):
         for m, lo, hi in zip(modules, bounds, bounds[1:]):
-            long = _long_segments(lora, layer, m, pool_rows.shape[1])
+            long = _long_segments(lora, layer, m, pool_rows.shape[1], ext)
             if long:
                 torch_sgmv.apply_segments(y[:, lo:hi], x, pool_rows, long, layer, m)
 
@@ -105,14 +110,14 @@ def _kernel_takes(ext, y: torch.Tensor, lora: LoraBatch) -> bool:
             and lora.max_rank <= MAX_RANK and y.stride(1) == 1)
 
 
-def _long_segments(lora: LoraBatch, layer: int, module: int, d: int) -> tuple[LoraSegment, ...]:
-    """The segments the kernel leaves to BLAS for (layer, module); cached on the batch, which every
-    step of the same decode batch reuses."""
-    key = ("cpu_long", layer, module)
+def _long_segments(lora: LoraBatch, layer: int, module: int, d: int, ext: ModuleType) -> tuple[LoraSegment, ...]:
+    """The segments build ext leaves to BLAS for (layer, module) (its long_ok: builds for other vector widths
+    differ); cached on the batch, which every step of the same decode batch reuses."""
+    key = ("cpu_long", ext.__name__, layer, module)
     hit = lora.plan_cache.get(key)
     if hit is None:
         hit = lora.plan_cache[key] = tuple(
             s for s in lora.segments
             if s.length > LONG_SEGMENT and (layer, module) in s.adapter.slots
-            and not long_ok(s.adapter.slots[(layer, module)].rank, d))
+            and not ext.long_ok(s.adapter.slots[(layer, module)].rank, d))
     return hit

@@ -7,11 +7,14 @@ the build error, except under CI, where the build is part of what is tested.
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from kernel_testkit import rel_err
-from loraplex.kernels import cpu_sgmv
+from loraplex.kernels import cpu_build, cpu_sgmv
 from loraplex.kernels.cpu_build import load_extension
 from native_kernels import require_built
 from sgmv_testkit import build_sgmv_case, sgmv_specs, touched_tokens
@@ -24,7 +27,7 @@ def built():
     require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
 
 
-def _check(spec, dtype=torch.float32, tol=1e-5, column_slice=False):
+def _check(spec, dtype=torch.float32, tol=1e-5, column_slice=False, ext=None):
     case = build_sgmv_case(spec, dtype, device=torch.device("cpu"))
     rows, lora, layer, module = case.pool.rows(), case.lora, spec.layer, spec.module
     ref = case.y0.double() + case.delta_ref
@@ -36,7 +39,7 @@ def _check(spec, dtype=torch.float32, tol=1e-5, column_slice=False):
         left, right = wide[:, : spec.d].clone(), wide[:, spec.d + case.y0.shape[1] :].clone()
     else:
         y = case.y0.clone()
-    cpu_sgmv.apply_lora(y, case.x, rows, lora, layer, module)
+    cpu_sgmv.apply_lora(y, case.x, rows, lora, layer, module, ext)
     assert rel_err(y, ref) < tol
     assert torch.equal(y[~touched], case.y0[~touched])
     if column_slice:
@@ -86,6 +89,35 @@ def test_blocked_path_takes_the_long_segments_it_can():
     # Which long segments the kernel keeps (the rest go to BLAS): the rule the Python side mirrors.
     assert cpu_sgmv.long_ok(16, 64) and cpu_sgmv.long_ok(8, 64) and cpu_sgmv.long_ok(256, 48)
     assert not cpu_sgmv.long_ok(12, 64) and not cpu_sgmv.long_ok(264, 64) and not cpu_sgmv.long_ok(16, 12)
+
+
+@pytest.fixture(scope="module")
+def ext_avx2():
+    """The kernel built for AVX2 (8-float vectors: its own decode expand, blocked tile sizes and vector rules), so
+    that AVX-512 machines check that build too."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("-mno-avx512f is an x86 flag")
+    src = Path(cpu_sgmv.__file__).with_name("cpu_sgmv.cpp")
+    return cpu_build.compile_source(src, "test_avx2_cpu_sgmv", extra_cflags=["-mno-avx512f"])
+
+
+@FAST
+@given(spec=sgmv_specs(d_choices=(8, 16, 24, 64), max_requests=24, max_len=6, rank_choices=(8, 16, 32, 64, 12)))
+def test_avx2_build_decode_items(ext_avx2, spec):
+    # D = 8 and 24: multiples of the AVX2 vector only, which the AVX-512 build leaves to its generic loops.
+    _check(spec, column_slice=True, ext=ext_avx2)
+
+
+@FAST
+@given(spec=sgmv_specs(d_choices=(8, 16, 24, 64), max_requests=4, max_len=70, rank_step=8))
+def test_avx2_build_blocked_long_segments(ext_avx2, spec):
+    _check(spec, column_slice=True, ext=ext_avx2)
+
+
+@FAST
+@given(spec=sgmv_specs())
+def test_avx2_build_matches_float64(ext_avx2, spec):
+    _check(spec, ext=ext_avx2)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,143 @@
+"""Decode LoRA on the CPU: one decode step's adapter work on the default model's 30 layers, against the read floor.
+
+A decode batch of `--batch` tokens over `--adapters` adapters (ranks from `--ranks`, in turn; tokens dealt to
+the adapters in turn, so each segment holds batch / adapters tokens or one more), every adapter on all 7
+modules of all 30 layers, placed on the unified pool's pages. One step is what the engine's decode step calls
+for LoRA: per layer, cpu_sgmv.apply_lora_group on the qkv, o, gate/up and down projections' outputs. The
+step's floor is the adapter bytes it reads (every A^T and B^T once) over the read bandwidth measured in the
+same run (a sum over a 512 MiB tensor); a second reference is a plain read of the same pool pages
+(torch.sum over them), which pays the pool's page layout and nothing else.
+
+With --baseline-source (other cpu_sgmv.cpp files, e.g. `git show REV:kernels/cpu_sgmv.cpp`) their builds run
+the same step as path 'baseline' (or each under its file name). The paths alternate, step by step, in one
+process (this CPU's speed drifts over minutes), and the table gives each one's 25th-percentile step time.
+Writes JSON (--out).
+
+Usage:
+    .venv/bin/python benchmarks/cpu_lora_decode_bench.py [--batch 64] [--adapters 30] [--ranks 8 16] [--reps 30]
+                                                       [--threads N] [--baseline-source OLD.cpp ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loraplex.kernels import LoraBatch, LoraSegment, cpu_sgmv
+from loraplex.kernels.cpu_build import compile_source
+from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
+from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
+from loraplex.unified_pager.geometry import PoolGeometry
+from loraplex.unified_pager.pool import PagePool
+
+from cpu_lora_prefill_bench import D, PROJECTIONS, SHAPES
+from roofline import measure_roofline
+
+LAYERS = 30  # SmolLM2-135M (--layers: fewer, so that the adapters fit in cache and the arithmetic shows)
+ROWS_PER_PAGE = 96  # the engine's page for this model: a KV block of 16 tokens x 3 heads x (K, V)
+
+
+def random_adapter(name: str, rank: int, layers: int, gen: torch.Generator) -> LoraAdapter:
+    """rank on every module of every layer; weights scaled so that the deltas stay of order one."""
+    mods = [LoraModuleWeights(layer, TARGET_MODULES[m], rank, 2.0, torch.randn(rank, i, generator=gen) / i**0.5,
+                              torch.randn(o, rank, generator=gen) / rank**0.5)
+            for layer in range(layers) for m, (i, o) in SHAPES.items()]
+    return LoraAdapter(name=name, modules=tuple(mods), max_rank=rank)
+
+
+def segment_lengths(batch: int, adapters: int) -> list[int]:
+    """Tokens per adapter when batch tokens are dealt to the adapters in turn (an adapter may get none)."""
+    return [batch // adapters + (1 if i < batch % adapters else 0) for i in range(adapters)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--adapters", type=int, default=30)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="adapter i has ranks[i % len(ranks)]")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--baseline-source", nargs="+", default=[],
+                    help="other cpu_sgmv.cpp files: the same step through each one's build, as path 'baseline' "
+                         "(one file) or by file name")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_lora_decode.json"))
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not cpu_sgmv.available():
+        raise SystemExit("needs the C++ kernel (kernels.cpu_build.build_error('cpu_sgmv'))")
+    gen = torch.Generator().manual_seed(int(time.time()))
+    lengths = [n for n in segment_lengths(args.batch, args.adapters) if n]
+    adapters = [random_adapter(f"a{i}", args.ranks[i % len(args.ranks)], args.layers, gen) for i in range(len(lengths))]
+    geo = PoolGeometry(num_pages=1, row_width=D, rows_per_page=ROWS_PER_PAGE, block_size=16, num_layers=args.layers,
+                       num_kv_heads=3, head_dim=64, dtype=torch.float32,
+                       module_shapes=tuple(SHAPES[m] for m in range(len(TARGET_MODULES))))
+    plans = [plan_adapter(geo, a) for a in adapters]
+    geo = dataclasses.replace(geo, num_pages=sum(p.num_pages for p in plans))
+    pool = PagePool(geo, torch.device("cpu"))
+    rows = pool.tensor.view(-1, D)
+    segments, first = [], 0
+    for adapter, plan, n in zip(adapters, plans, lengths):  # each adapter on a run of pages, as a fresh pool places it
+        residency = place_adapter(pool, adapter.name, plan, np.arange(first, first + plan.num_pages))
+        segments.append(LoraSegment(sum(len_ for len_ in lengths[: len(segments)]), n, residency))
+        first += plan.num_pages
+    adapter_bytes = sum(a.max_rank * sum(i + o for i, o in SHAPES.values()) * args.layers * 4 for a in adapters)
+    lora = LoraBatch(tuple(segments), args.batch)
+    _ = lora.device_tensors
+    xs = {k: torch.randn(args.batch, k, generator=gen) for k in {k for _, _, k in PROJECTIONS}}
+    ys = [torch.zeros(args.batch, b[-1]) for _, b, _ in PROJECTIONS]
+
+    def step_with(ext):
+        def run() -> None:
+            for layer in range(args.layers):
+                for (mods, b, k), y in zip(PROJECTIONS, ys):
+                    cpu_sgmv.apply_lora_group(y, xs[k], rows, lora, layer, mods, b, ext)
+        return run
+
+    def plain_read() -> None:  # the same pages, summed: the pool layout's own floor
+        pool.tensor[:first].sum()
+
+    calls = {"sgmv": step_with(None), "read": plain_read}
+    for src in map(Path, args.baseline_source):
+        name = "baseline" if len(args.baseline_source) == 1 else src.stem
+        calls[name] = step_with(compile_source(src, "baseline_cpu_sgmv"))
+    roof = measure_roofline()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for rep in range(args.reps + 1):
+        for name, f in calls.items():
+            t = time.perf_counter()
+            f()
+            if rep:  # the first round warms every path
+                times[name].append(time.perf_counter() - t)
+    q1 = {name: sorted(ts)[len(ts) // 4] for name, ts in times.items()}
+    floor_s = adapter_bytes / (roof.read_gbps * 1e9)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "batch": args.batch, "layers": args.layers, "adapters": len(adapters), "ranks": args.ranks,
+              "segment_lengths": lengths,
+              "adapter_mb": adapter_bytes / 1e6, "read_gbps": roof.read_gbps, "floor_ms": floor_s * 1e3,
+              "ms_q1": {k: v * 1e3 for k, v in q1.items()},
+              "gbps": {k: adapter_bytes / v / 1e9 for k, v in q1.items()},
+              "all_ms": {k: [t * 1e3 for t in ts] for k, ts in times.items()}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"decode step, {args.batch} tokens over {len(adapters)} adapters of ranks {args.ranks}, {args.layers} layers "
+          f"x 7 modules: {adapter_bytes / 1e6:.0f} MB of adapters, floor {floor_s * 1e3:.2f} ms "
+          f"at {roof.read_gbps:.1f} GB/s")
+    print("| path | ms (25th pct) | GB/s of adapter bytes | / floor |")
+    print("|---|---|---|---|")
+    for name, t in q1.items():
+        print(f"| {name} | {t * 1e3:.2f} | {adapter_bytes / t / 1e9:.1f} | {t / floor_s:.2f} |")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

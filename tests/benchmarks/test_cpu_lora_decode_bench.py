@@ -1,0 +1,32 @@
+"""benchmarks/cpu_lora_decode_bench.py on a small step: both paths run, the floor is the adapters' bytes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from loraplex.kernels import cpu_sgmv
+from native_kernels import require_built
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import cpu_lora_decode_bench  # noqa: E402
+
+
+def test_segments_deal_the_batch_to_the_adapters_in_turn():
+    assert cpu_lora_decode_bench.segment_lengths(64, 30) == [3] * 4 + [2] * 26
+    assert cpu_lora_decode_bench.segment_lengths(2, 3) == [1, 1, 0]
+
+
+def test_bench_times_the_step_against_the_read_and_writes_json(tmp_path):
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    out = tmp_path / "decode.json"
+    result = cpu_lora_decode_bench.main(["--batch", "5", "--adapters", "3", "--ranks", "8", "16", "--layers", "2",
+                                         "--reps", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert set(result["ms_q1"]) == {"sgmv", "read"} and all(t > 0 for t in result["ms_q1"].values())
+    assert result["segment_lengths"] == [2, 2, 1] and len(result["all_ms"]["sgmv"]) == 2
+    # ranks 8, 16, 8 on 7 modules of 2 layers: every A^T [in, r] and B^T [r, out] once, float32
+    per_rank = sum(i + o for i, o in cpu_lora_decode_bench.SHAPES.values()) * 2 * 4
+    assert result["adapter_mb"] * 1e6 == (8 + 16 + 8) * per_rank
+    assert abs(result["floor_ms"] - result["adapter_mb"] * 1e6 / (result["read_gbps"] * 1e9) * 1e3) < 1e-9
