@@ -15,6 +15,7 @@ in the same round. Writes JSON (--out).
 
 Usage:
     .venv/bin/python benchmarks/cpu_lora_prefill_bench.py [--segments 16] [--tokens 128] [--rank 16]
+                                                          [--baseline-source OLD.cpp ...]
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scatter", action="store_true",
                     help="adapters on pages in random order (default: each on a run of consecutive pages, as a "
                          "pool with free runs places them)")
-    ap.add_argument("--baseline-source", default=None,
-                    help="another cpu_linear.cpp (e.g. `git show REV:kernels/cpu_linear.cpp`): fused with its GEMM "
-                         "and epilogue, timed as path 'baseline' in the same rounds")
+    ap.add_argument("--baseline-source", nargs="+", default=[],
+                    help="other cpu_linear.cpp files (e.g. `git show REV:kernels/cpu_linear.cpp`): fused with each "
+                         "one's GEMM and epilogue, timed as path 'baseline' (one file) or by file name in the same "
+                         "rounds")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_lora_prefill.json"))
     args = ap.parse_args(argv)
     if not (cpu_linear.available() and cpu_sgmv.available()):
@@ -117,8 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
              "sgmv": then_apply(lambda y, x, m, lora: cpu_sgmv.apply_lora(y, x, rows, lora, 0, m)),
              "fused": fused_with(None),
              "shrink": shrink_only}
-    if args.baseline_source:
-        calls["baseline"] = fused_with(compile_source(Path(args.baseline_source), "baseline_cpu_linear"))
+    for src in map(Path, args.baseline_source):
+        name = "baseline" if len(args.baseline_source) == 1 else src.stem
+        calls[name] = fused_with(compile_source(src, "baseline_cpu_linear"))
     ceiling = matmul_gflops(2048, 3)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(args.reps + 1):
