@@ -557,9 +557,10 @@ inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict
 // The AVX2 build's decode expand: y_t[:out] += s_t @ B^T for NT tokens in sweeps over KB of B^T's rows at a
 // time, each pool row of those rows read front to back, y's NT rows (in L1) loaded and stored once per KB
 // rows. few_expand's column chunks walk B^T's rank rows in strides, and on the AMD EPYC (Zen 1) dev CPU
-// they cost twice the read of their bytes: one B=64 decode step's LoRA (30 adapters of ranks 8/16, 2-3
+// they cost about twice the read of their bytes: one B=64 decode step's LoRA (30 adapters of ranks 8/16, 2-3
 // tokens each, 30 layers; benchmarks/cpu_lora_decode_bench.py, builds alternating in one process, 2
-// threads) 43.4 -> 39.8 ms with KB = 4, 47.5 -> ~47 with KB 1, 2, or a prefetch of the next KB rows.
+// threads), ms: 48.0 -> 44.4 and 43.4 -> 39.8 with KB = 4; in another run 51.7 -> 47.6 (KB 4), 48.3 (KB 2),
+// 48.4 (KB 1), 47.0 (KB 4 with the next KB rows prefetched).
 template <int NT, int KB>
 inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__restrict s)[MAX_RANK],
                             const float* const* rows, int rank, int64_t out, int64_t d) {
