@@ -43,10 +43,16 @@ def apply_lora(
     lora: LoraBatch,
     layer: int,
     module: int,
-    ext: ModuleType | None = None,
 ) -> None:
-    """y += each token's adapter delta for (layer, module); tokens without one are untouched. ext: the
-    kernel's build to run (default this checkout's; tests and benchmarks pass other builds of it)."""
+    """y += each token's adapter delta for (layer, module); tokens without one are untouched (the torch
+    path's signature: the dispatcher swaps one for the other)."""
+    apply_lora_with(None, y, x, pool_rows, lora, layer, module)
+
+
+def apply_lora_with(ext: ModuleType | None, y: torch.Tensor, x: torch.Tensor, pool_rows: torch.Tensor,
+                    lora: LoraBatch, layer: int, module: int) -> None:
+    """apply_lora through build ext of the kernel (None: this checkout's; tests and benchmarks pass other
+    builds of it)."""
     ext = ext or load_extension("cpu_sgmv")
     if not _kernel_takes(ext, y, lora):
         torch_sgmv.apply_lora(y, x, pool_rows, lora, layer, module)

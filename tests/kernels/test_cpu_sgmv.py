@@ -39,7 +39,7 @@ def _check(spec, dtype=torch.float32, tol=1e-5, column_slice=False, ext=None):
         left, right = wide[:, : spec.d].clone(), wide[:, spec.d + case.y0.shape[1] :].clone()
     else:
         y = case.y0.clone()
-    cpu_sgmv.apply_lora(y, case.x, rows, lora, layer, module, ext)
+    cpu_sgmv.apply_lora_with(ext, y, case.x, rows, lora, layer, module)
     assert rel_err(y, ref) < tol
     assert torch.equal(y[~touched], case.y0[~touched])
     if column_slice:
