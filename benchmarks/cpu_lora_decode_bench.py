@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from loraplex.kernels import LoraBatch, LoraSegment, cpu_sgmv
-from loraplex.kernels.cpu_build import compile_source
+from loraplex.kernels.cpu_build import baseline_builds
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
 from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
 from loraplex.unified_pager.geometry import PoolGeometry
@@ -83,11 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
     geo = dataclasses.replace(geo, num_pages=sum(p.num_pages for p in plans))
     pool = PagePool(geo, torch.device("cpu"))
     rows = pool.tensor.view(-1, D)
-    segments, first = [], 0
+    segments, first, start = [], 0, 0
     for adapter, plan, n in zip(adapters, plans, lengths):  # each adapter on a run of pages, as a fresh pool places it
         residency = place_adapter(pool, adapter.name, plan, np.arange(first, first + plan.num_pages))
-        segments.append(LoraSegment(sum(len_ for len_ in lengths[: len(segments)]), n, residency))
-        first += plan.num_pages
+        segments.append(LoraSegment(start, n, residency))
+        first, start = first + plan.num_pages, start + n
     adapter_bytes = sum(a.max_rank * sum(i + o for i, o in SHAPES.values()) * args.layers * 4 for a in adapters)
     lora = LoraBatch(tuple(segments), args.batch)
     _ = lora.device_tensors
@@ -105,9 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
         pool.tensor[:first].sum()
 
     calls = {"sgmv": step_with(None), "read": plain_read}
-    for src in map(Path, args.baseline_source):
-        name = "baseline" if len(args.baseline_source) == 1 else src.stem
-        calls[name] = step_with(compile_source(src, "baseline_cpu_sgmv"))
+    for name, ext in baseline_builds(args.baseline_source, "baseline_cpu_sgmv").items():
+        calls[name] = step_with(ext)
     roof = measure_roofline()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(args.reps + 1):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from loraplex.kernels import LoraBatch, LoraSegment, cpu_linear, cpu_lora_gemm, cpu_sgmv, torch_sgmv
-from loraplex.kernels.cpu_build import compile_source
+from loraplex.kernels.cpu_build import baseline_builds
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
 from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
 from loraplex.unified_pager.geometry import PoolGeometry
@@ -119,9 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
              "sgmv": then_apply(lambda y, x, m, lora: cpu_sgmv.apply_lora(y, x, rows, lora, 0, m)),
              "fused": fused_with(None),
              "shrink": shrink_only}
-    for src in map(Path, args.baseline_source):
-        name = "baseline" if len(args.baseline_source) == 1 else src.stem
-        calls[name] = fused_with(compile_source(src, "baseline_cpu_linear"))
+    for name, ext in baseline_builds(args.baseline_source, "baseline_cpu_linear").items():
+        calls[name] = fused_with(ext)
     ceiling = matmul_gflops(2048, 3)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(args.reps + 1):

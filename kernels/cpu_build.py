@@ -111,6 +111,15 @@ def compile_source(src: Path, prefix: str, extra_cflags: Sequence[str] = ()) -> 
                                   extra_include_paths=include, verbose=False)
 
 
+def baseline_builds(sources: Sequence[Path], prefix: str) -> dict[str, ModuleType]:
+    """Earlier versions of one kernel, built with compile_source, by the name a benchmark times them under:
+    "baseline" for a single source, else each file's stem (two sources with one stem are refused)."""
+    names = ["baseline"] if len(sources) == 1 else [Path(s).stem for s in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"baseline sources need distinct file names: {[str(s) for s in sources]}")
+    return {name: compile_source(Path(src), prefix) for name, src in zip(names, sources)}
+
+
 @contextmanager
 def build_guard(build_dir: Path) -> Iterator[None]:
     """Held around one kernel's build (or load from the cache): an advisory lock (flock) on <build_dir>.flock,

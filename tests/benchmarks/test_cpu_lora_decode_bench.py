@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from loraplex.kernels import cpu_sgmv
 from native_kernels import require_built
 
@@ -30,3 +31,12 @@ def test_bench_times_the_step_against_the_read_and_writes_json(tmp_path):
     per_rank = sum(i + o for i, o in cpu_lora_decode_bench.SHAPES.values()) * 2 * 4
     assert result["adapter_mb"] * 1e6 == (8 + 16 + 8) * per_rank
     assert abs(result["floor_ms"] - result["adapter_mb"] * 1e6 / (result["read_gbps"] * 1e9) * 1e3) < 1e-9
+
+
+def test_baseline_sources_with_one_file_name_are_refused_before_any_build(tmp_path):
+    from loraplex.kernels.cpu_build import baseline_builds
+
+    a, b = tmp_path / "a" / "old.cpp", tmp_path / "b" / "old.cpp"  # never read: refused first
+    with pytest.raises(ValueError, match="distinct file names"):
+        baseline_builds([a, b], "baseline_cpu_sgmv")
+    assert baseline_builds([], "baseline_cpu_sgmv") == {}
