@@ -121,7 +121,9 @@ def test_deleted_adapters_leave_the_engine_but_queued_requests_finish(llm, make_
     assert store.registry.get_adapter(ref.id).last_used_at is not None  # set when loaded into host RAM
     from loraplex.engine import SamplingParams
 
-    req = llm.engine.add_request(random_prompts(1, tiny_config.vocab_size)[0], SamplingParams(max_tokens=2), name)
+    # ignore_eos: a sampled end token would finish the request early and the length checks below would flake.
+    req = llm.engine.add_request(random_prompts(1, tiny_config.vocab_size)[0],
+                                 SamplingParams(max_tokens=2, ignore_eos=True), name)
     store.delete(tenant, "doomed")
     bridge.forget(tenant, "doomed")
     assert name not in llm.engine.adapters.names() and ref.id not in store.cache
@@ -146,7 +148,7 @@ def test_adapters_evicted_before_their_install_leave_the_engine_after_their_requ
     from loraplex.engine import SamplingParams
 
     prompts = random_prompts(5, tiny_config.vocab_size)
-    reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=3), bridge.install(r, a))
+    reqs = [llm.engine.add_request(p, SamplingParams(max_tokens=3, ignore_eos=True), bridge.install(r, a))
             for p, r, a in zip(prompts, refs, decoded, strict=True)]
     bridge.sync()
     held = {n for n in llm.engine.adapters.names() if n.startswith(tenant)}
@@ -163,7 +165,7 @@ def test_adapters_evicted_before_their_install_leave_the_engine_after_their_requ
     store.cache.budget_bytes = size // 2
     big = store.upload_path(tenant, "big", write_peft_adapter(tmp_path / "big", tiny_config, r=2))
     name = bridge.install(big, bridge.prefetch(big).result())
-    req = llm.engine.add_request(prompts[0], SamplingParams(max_tokens=2), name)
+    req = llm.engine.add_request(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True), name)
     bridge.sync()
     assert name not in llm.engine.adapters.names()
     out = []
