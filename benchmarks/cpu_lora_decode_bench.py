@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=30)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="adapter i has ranks[i % len(ranks)]")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="adapter i has ranks[i %% len(ranks)]")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
