@@ -287,6 +287,46 @@ template <typename T> inline void vstore(float* p, T v) { *reinterpret_cast<type
 
 bool long_ok(int64_t rank, int64_t d) { return rank > 0 && rank <= MAX_RANK && rank % 8 == 0 && d % VEC == 0; }
 
+// acc[r] += x_r[k .. k + KU) @ A^T[k .. k + KU, c0 : c0 + NV*w] for R tokens: KU steps of k per walk down the rows.
+// One pointer walks down the rows, hidden from the optimiser after each step: left to itself, GCC kept a
+// pointer per row (12 of them beside the loop's own), spilled them, and reloaded them from the stack inside
+// the loop, and those reloads on top of the row broadcasts made the loop bound by its loads. Each
+// accumulator takes its k in order, so the sums are those of one k per walk.
+template <int R, int NV, typename T, int KU>
+inline void shrink_k(T (&acc)[R][NV], const float* __restrict x, int64_t xs, const float* const* __restrict arow,
+                     int64_t k, int c0) {
+  constexpr int W = sizeof(T) / sizeof(float);
+  T a[KU][NV];
+#pragma GCC unroll 16
+  for (int u = 0; u < KU; ++u)
+    for (int v = 0; v < NV; ++v) a[u][v] = vload<T>(arow[k + u] + c0 + v * W);
+  const float* xr = x + k;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    float xv[KU];
+#pragma GCC unroll 16
+    for (int u = 0; u < KU; ++u) xv[u] = xr[u];
+#pragma GCC unroll 16
+    for (int u = 0; u < KU; ++u)
+      for (int v = 0; v < NV; ++v) acc[r][v] += xv[u] * a[u][v];
+    xr += xs;
+    asm("" : "+r"(xr));
+  }
+}
+
+// k per walk down the rows, and whether the shrink prefetches the next block's rows of x (one line per row every
+// 16 k; at prefill sizes x comes from L3, and 12 rows of it are more streams than the hardware prefetchers
+// follow). On AVX-512 (12 rows, one vector of rank 16 per row) each k's walk was its pointer steps, the loop's
+// own work and A^T's row pointer beside one broadcast FMA per row, and those took issue slots from the FMAs:
+// four k per walk and no prefetch, one layer's shrinks of 16 x 128 tokens at rank 16 (Intel Xeon, 2 threads,
+// builds alternating, their order swapped every round) 1.52 -> 1.29 ms; in a run where four k without it took
+// 1.32, four k with the prefetch into L2 1.39 and two k per walk 1.40; 8 x 256 and 48 x 40 tokens and rank 8 the
+// same way. The AVX2 build (6 rows, 16 registers)
+// gained nothing from either on the same CPU (2.09 ms before, 2.16 with four k, 2.18 with four k and no
+// prefetch) and keeps its one k and the prefetch into L1. Bit for bit the same sums either way.
+constexpr int SHRINK_KU = VEC == 16 ? 4 : 1;
+constexpr bool SHRINK_PREFETCH_X = VEC == 8;
+
 // s[r][c0 : c0 + NV*w] = x_r @ A^T[:, c0 : ...] for R tokens (w = the vector width of T); arow[k]: row k of A^T.
 template <int R, int NV, typename T>
 void shrink_chunk(const float* __restrict x, int64_t xs, const float* const* __restrict arow, int64_t K, int c0,
@@ -296,27 +336,15 @@ void shrink_chunk(const float* __restrict x, int64_t xs, const float* const* __r
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = T{};
-  for (int64_t k = 0; k < K; ++k) {
-    // The next R rows of x (the next block's), one cache line per row every 16 steps: at prefill
-    // sizes x comes from L3, and 12 rows of it are more streams than the hardware prefetchers follow.
-    if (prefetch && (k & 15) == 0) {
+  int64_t k = 0;
+  for (; k + SHRINK_KU <= K; k += SHRINK_KU) {
+    if (SHRINK_PREFETCH_X && prefetch && (k & 15) == 0) {
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) __builtin_prefetch(x + (R + r) * xs + k, 0, 3);
     }
-    T a[NV];
-    for (int v = 0; v < NV; ++v) a[v] = vload<T>(arow[k] + c0 + v * W);
-    // One pointer walked down the rows, hidden from the optimiser after each step: left to itself, GCC kept
-    // a pointer per row (12 of them beside the loop's own), spilled them, and reloaded them from the stack
-    // inside this loop, and those reloads on top of the row broadcasts made the loop bound by its loads.
-    const float* xr = x + k;
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const float xv = *xr;
-      for (int v = 0; v < NV; ++v) acc[r][v] += xv * a[v];
-      xr += xs;
-      asm("" : "+r"(xr));
-    }
+    shrink_k<R, NV, T, SHRINK_KU>(acc, x, xs, arow, k, c0);
   }
+  for (; k < K; ++k) shrink_k<R, NV, T, 1>(acc, x, xs, arow, k, c0);  // none: the pool geometry makes K a multiple of D
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) vstore<T>(s[r] + c0 + v * W, acc[r][v]);
 }
