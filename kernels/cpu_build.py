@@ -50,6 +50,10 @@ def disabled() -> bool:
 
 def load_extension(stem: str) -> ModuleType | None:
     """The compiled module of kernels/<stem>.cpp, or None where it cannot be built (see build_error)."""
+    # Without the lock once built: the kernels' wrappers call this on every call (a decode step makes ~420),
+    # and an entry, once set under the lock, never changes.
+    if stem in _built:
+        return _built[stem]
     with _lock:
         if stem in _built:
             return _built[stem]

@@ -112,8 +112,10 @@ def _any_long(lora: LoraBatch) -> bool:
 
 def _kernel_takes(ext, y: torch.Tensor, lora: LoraBatch) -> bool:
     """Whether the C++ kernel takes this call (else the torch path does)."""
-    return (ext is not None and bool(lora.segments) and y.dtype == torch.float32 and y.device.type == "cpu"
-            and lora.max_rank <= MAX_RANK and y.stride(1) == 1)
+    ranks_ok = lora.plan_cache.get("cpu_ranks_ok")
+    if ranks_ok is None:  # once per batch: max_rank walks the segments, and a decode step makes 120 calls
+        ranks_ok = lora.plan_cache["cpu_ranks_ok"] = bool(lora.segments) and lora.max_rank <= MAX_RANK
+    return ext is not None and ranks_ok and y.dtype == torch.float32 and y.device.type == "cpu" and y.stride(1) == 1
 
 
 def _long_segments(lora: LoraBatch, layer: int, module: int, d: int, ext: ModuleType) -> tuple[LoraSegment, ...]:
