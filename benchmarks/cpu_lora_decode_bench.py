@@ -37,6 +37,7 @@ from loraplex.unified_pager.geometry import PoolGeometry
 from loraplex.unified_pager.pool import PagePool
 
 from cpu_lora_prefill_bench import D, PROJECTIONS, SHAPES
+from rounds import round_order
 from roofline import measure_roofline
 
 LAYERS = 30  # SmolLM2-135M (--layers: fewer, so that the adapters fit in cache and the arithmetic shows)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     roof = measure_roofline()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(args.reps + 1):
-        for name, f in calls.items():
+        for name, f in round_order(calls, rep):
             t = time.perf_counter()
             f()
             if rep:  # the first round warms every path

@@ -37,6 +37,7 @@ from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
 from loraplex.unified_pager.geometry import PoolGeometry
 from loraplex.unified_pager.pool import PagePool
 
+from rounds import round_order
 from roofline import matmul_gflops
 
 H, KV, INTER, D = 576, 192, 1536, 64  # SmolLM2-135M: hidden, kv width, MLP width, pool row width
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     ceiling = matmul_gflops(2048, 3)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(args.reps + 1):
-        for name, f in calls.items():
+        for name, f in round_order(calls, rep):
             lora = LoraBatch(tuple(segments), T)  # per-step tables built outside the timing, as the runner does
             _ = lora.device_tensors
             parts = cpu_lora_gemm.split(lora, D)
