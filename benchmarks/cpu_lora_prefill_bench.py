@@ -7,7 +7,8 @@ every module), placed on the unified pool's pages, one layer's four projections 
 - sgmv: the GEMMs, then the C++ SGMV kernel's register-blocked long-segment path (cpu_sgmv.apply_lora);
 - fused: the shrink (cpu_sgmv.shrink) and the GEMMs with the expand in their epilogue (cpu_lora_gemm), the
   engine's path;
-- shrink: fused's shrink alone (cpu_lora_gemm.shrink), so that fused's addition splits into it and the epilogue.
+- shrink: fused's shrink alone (cpu_lora_gemm.shrink), so that fused's addition splits into it and the epilogue
+  (with --shrink-baseline-source, other cpu_sgmv.cpp builds' shrinks beside it, as shrink:<name>).
 The paths alternate, call by call, in one process (this CPU's speed drifts over minutes); the table gives the
 25th-percentile time of each and what it adds to base, beside the LoRA's FLOPs at the 2048-square matmul rate
 measured in the same run (the floor); what a path adds is the median over rounds of its time minus base's
@@ -16,6 +17,7 @@ in the same round. Writes JSON (--out).
 Usage:
     .venv/bin/python benchmarks/cpu_lora_prefill_bench.py [--segments 16] [--tokens 128] [--rank 16]
                                                           [--baseline-source OLD.cpp ...]
+                                                          [--shrink-baseline-source OLD_SGMV.cpp ...]
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def random_adapter(name: str, rank: int, gen: torch.Generator) -> LoraAdapter:
     return LoraAdapter(name=name, modules=tuple(mods), max_rank=rank)
 
 
+def _alone(path: str) -> bool:
+    """Whether a path runs without the GEMMs (the shrinks): what it adds is its own time."""
+    return path == "shrink" or path.startswith("shrink:")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--segments", type=int, default=16)
@@ -66,6 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="other cpu_linear.cpp files (e.g. `git show REV:kernels/cpu_linear.cpp`): fused with each "
                          "one's GEMM and epilogue, timed as path 'baseline' (one file) or by file name in the same "
                          "rounds")
+    ap.add_argument("--shrink-baseline-source", nargs="+", default=[],
+                    help="other cpu_sgmv.cpp files: the shrink alone through each one's build, timed as path "
+                         "'shrink:baseline' (one file) or 'shrink:<file name>' in the same rounds")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_lora_prefill.json"))
     args = ap.parse_args(argv)
     if not (cpu_linear.available() and cpu_sgmv.available()):
@@ -103,10 +113,12 @@ def main(argv: list[str] | None = None) -> dict:
                     apply(y[:, lo:hi], x, m, lora)
         return run
 
-    def shrink_only(lora: LoraBatch) -> None:  # fused's first half: what the epilogue adds is fused - shrink
-        parts = cpu_lora_gemm.split(lora, D)
-        for (mods, b, _), x in zip(PROJECTIONS, xs):
-            cpu_lora_gemm.shrink(x, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b))
+    def shrink_with(ext):  # fused's first half (what the epilogue adds is fused - shrink), from build ext
+        def run(lora: LoraBatch) -> None:
+            parts = cpu_lora_gemm.split(lora, D)
+            for (mods, b, _), x in zip(PROJECTIONS, xs):
+                cpu_lora_gemm.shrink(x, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b), ext)
+        return run
 
     def fused_with(ext):  # the engine's path, with the GEMM and its epilogue from build ext (None: this checkout's)
         def run(lora: LoraBatch) -> None:
@@ -119,9 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
              "blas": then_apply(lambda y, x, m, lora: torch_sgmv.apply_segments(y, x, rows, lora.segments, 0, m)),
              "sgmv": then_apply(lambda y, x, m, lora: cpu_sgmv.apply_lora(y, x, rows, lora, 0, m)),
              "fused": fused_with(None),
-             "shrink": shrink_only}
+             "shrink": shrink_with(None)}
     for name, ext in baseline_builds(args.baseline_source, "baseline_cpu_linear").items():
         calls[name] = fused_with(ext)
+    for name, ext in baseline_builds(args.shrink_baseline_source, "baseline_cpu_sgmv").items():
+        calls[f"shrink:{name}"] = shrink_with(ext)
     ceiling = matmul_gflops(2048, 3)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for rep in range(args.reps + 1):
@@ -142,10 +156,10 @@ def main(argv: list[str] | None = None) -> dict:
               "ceiling_gflops": ceiling,
               "lora_gflop": lora_flops / 1e9, "floor_ms": floor_s * 1e3,
               "ms_q1": {k: v * 1e3 for k, v in q1.items()},
-              "added_ms": {k: (v - (0 if k == "shrink" else q1["base"])) * 1e3 for k, v in q1.items() if k != "base"},
+              "added_ms": {k: (v - (0 if _alone(k) else q1["base"])) * 1e3 for k, v in q1.items() if k != "base"},
               # each call against the base call of its own round: a drift between rounds cancels
               # shrink runs without the GEMMs: what it adds is its own time
-              "added_paired_median_ms": {k: statistics.median(t - (0 if k == "shrink" else b)
+              "added_paired_median_ms": {k: statistics.median(t - (0 if _alone(k) else b)
                                                               for t, b in zip(ts, times["base"])) * 1e3
                                          for k, ts in times.items() if k != "base"},
               "all_ms": {k: [t * 1e3 for t in ts] for k, ts in times.items()}}

@@ -102,13 +102,15 @@ def shrink(
     fused: LoraBatch,
     layer: int,
     cols: ModuleColumns,
+    ext: ModuleType | None = None,
 ) -> tuple[torch.Tensor, list[int]]:  # s [T, max_rank * modules] = scale * x @ A^T per module; its band starts
     """linear_lora's first half: the fused segments' x @ A^T for every module of the projection (one pass
-    over x), each module in a column band of max_rank; a segment of lower rank leaves its band's tail unread."""
+    over x), each module in a column band of max_rank; a segment of lower rank leaves its band's tail unread.
+    ext: the cpu_sgmv build to run (default: this checkout's; benchmarks pass an earlier one's)."""
     r = fused.max_rank
     s_cols = [i * r for i in range(len(cols.modules))]
     s = torch.empty(x.shape[0], r * len(cols.modules), dtype=x.dtype)  # rows outside the segments: unread
     t = fused.device_tensors
-    load_extension("cpu_sgmv").shrink(s, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
+    (ext or load_extension("cpu_sgmv")).shrink(s, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
                                       fused.segments[0].adapter.rows_per_page, layer, list(cols.modules), s_cols)
     return s, s_cols

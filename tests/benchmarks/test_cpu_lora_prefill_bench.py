@@ -28,13 +28,18 @@ def test_bench_times_every_path_and_writes_json(tmp_path):
     assert result["lora_gflop"] == 2 * 40 * 8 * (576 * 7 + 192 * 2 + 576 * 2 + 1536 * 3) / 1e9
 
 
-def test_bench_times_an_earlier_build_beside_the_kernel(tmp_path):
+def test_bench_times_earlier_builds_beside_the_kernels(tmp_path):
     """--baseline-source: another cpu_linear.cpp (here the kernel's own source, built under another name) runs as
-    path 'baseline' in the same rounds."""
+    path 'baseline' in the same rounds; --shrink-baseline-source: another cpu_sgmv.cpp's shrink, as
+    'shrink:baseline'."""
     require_built("cpu_linear", cpu_linear.available(), "linear kernel")
     require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
     src = Path(cpu_linear.__file__).with_suffix(".cpp")
+    sgmv_src = Path(cpu_sgmv.__file__).with_suffix(".cpp")
     result = cpu_lora_prefill_bench.main(["--segments", "2", "--tokens", "20", "--rank", "8", "--reps", "2",
-                                          "--baseline-source", str(src), "--out", str(tmp_path / "p.json")])
-    assert set(result["ms_q1"]) == {"base", "blas", "sgmv", "fused", "shrink", "baseline"}
+                                          "--baseline-source", str(src), "--shrink-baseline-source", str(sgmv_src),
+                                          "--out", str(tmp_path / "p.json")])
+    assert set(result["ms_q1"]) == {"base", "blas", "sgmv", "fused", "shrink", "baseline", "shrink:baseline"}
     assert result["ms_q1"]["baseline"] > 0 and len(result["all_ms"]["baseline"]) == 2
+    # The other build's shrink, like this one's, runs without the GEMMs: what it adds is its own time.
+    assert result["added_ms"]["shrink:baseline"] == result["ms_q1"]["shrink:baseline"] > 0
