@@ -112,5 +112,6 @@ def shrink(
     s = torch.empty(x.shape[0], r * len(cols.modules), dtype=x.dtype)  # rows outside the segments: unread
     t = fused.device_tensors
     (ext or load_extension("cpu_sgmv")).shrink(s, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
-                                      fused.segments[0].adapter.rows_per_page, layer, list(cols.modules), s_cols)
+                                               fused.segments[0].adapter.rows_per_page, layer, list(cols.modules),
+                                               s_cols)
     return s, s_cols

@@ -321,9 +321,9 @@ inline void shrink_k(T (&acc)[R][NV], const float* __restrict x, int64_t xs, con
 // four k per walk and no prefetch, one layer's shrinks of 16 x 128 tokens at rank 16 (Intel Xeon, 2 threads,
 // builds alternating, their order swapped every round) 1.52 -> 1.29 ms; in a run where four k without it took
 // 1.32, four k with the prefetch into L2 1.39 and two k per walk 1.40; 8 x 256 and 48 x 40 tokens and rank 8 the
-// same way. The AVX2 build (6 rows, 16 registers)
-// gained nothing from either on the same CPU (2.09 ms before, 2.16 with four k, 2.18 with four k and no
-// prefetch) and keeps its one k and the prefetch into L1. Bit for bit the same sums either way.
+// same way. The AVX2 build (6 rows, 16 registers) gained nothing from either on the same CPU (2.09 ms before,
+// 2.16 with four k, 2.18 with four k and no prefetch) and keeps its one k and the prefetch into L1. Bit for bit
+// the same sums either way (benchmarks/cpu_lora_prefill_bench.py --shrink-baseline-source; RESULTS.md).
 constexpr int SHRINK_KU = VEC == 16 ? 4 : 1;
 constexpr bool SHRINK_PREFETCH_X = VEC == 8;
 
