@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .metrics import Metrics, OutputMatch, compare_outputs, summarize
-from .systems import RunResult, System
+from .systems import PER_STEP, RunResult, System
 from .workload import BenchRequest, all_at_once, without_adapters
 
 
@@ -31,7 +31,7 @@ class ModeResult:
     def as_dict(self) -> dict:
         return {"mode": self.mode, "metrics": {k: m.as_dict() for k, m in self.metrics.items()},
                 "matches": [m.as_dict() for m in self.matches], "base_choice": self.base_choice,
-                "extra": {k: {x: y for x, y in r.extra.items() if x != "steps_adapters"}
+                "extra": {k: {x: y for x, y in r.extra.items() if x not in PER_STEP}
                           for k, r in self.runs.items()}}
 
 

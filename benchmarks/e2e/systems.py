@@ -38,6 +38,10 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list)
 
 
+# RunResult.extra's lists with one entry per engine step: used by the floors, left out of the JSON.
+PER_STEP = ("steps_adapters", "steps_tokens", "steps_sampled")
+
+
 @dataclass
 class RunResult:
     system: str
@@ -107,6 +111,8 @@ class LoraplexSystem:
         recs = {r.id: RequestRecord(r.id, r.arrival_s, r.output_tokens) for r in requests}
         adapter_of: dict[str, str | None] = {}
         steps_adapters: list[tuple[str, ...]] = []  # distinct adapters that produced tokens, per step
+        steps_tokens: list[int] = []  # tokens the step ran through the model (prompt chunks and decode tokens)
+        steps_sampled: list[int] = []  # requests that got a token (rows of the LM head)
         loading: list[tuple[BenchRequest, Future]] = []  # arrived, adapter loading (arrival order)
 
         def add(r: BenchRequest, adapter: str | None) -> None:
@@ -142,8 +148,11 @@ class LoraplexSystem:
                 elif i < len(pending):
                     _sleep_until(t0, pending[i].arrival_s)
                 continue
+            tokens_before = eng.num_tokens
             outs = eng.step()
             now = time.perf_counter() - t0
+            steps_tokens.append(eng.num_tokens - tokens_before)
+            steps_sampled.append(sum(1 for o in outs if o.new_token_ids))
             for o in outs:
                 rec = recs[o.request_id]
                 rec.token_times.extend([now] * len(o.new_token_ids))
@@ -154,7 +163,8 @@ class LoraplexSystem:
         stats = eng.stats()
         return RunResult(self.name, [recs[r.id] for r in requests], wall,
                          {"steps": len(steps_adapters), "preemptions": stats.num_preemptions,
-                          "steps_adapters": steps_adapters})
+                          "steps_adapters": steps_adapters, "steps_tokens": steps_tokens,
+                          "steps_sampled": steps_sampled})
 
 
 # -- transformers, static batches --------------------------------------------------------------------

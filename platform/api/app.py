@@ -136,6 +136,8 @@ def _snapshot(state: ServerState) -> Iterable:
         yield gauge("loraplex_resident_adapters", "Adapters placed in the page pool", s.resident_adapters)
         yield counter("loraplex_preemptions", "Requests preempted for pages", s.num_preemptions)
         yield counter("loraplex_engine_steps", "Engine steps run", s.num_steps)
+        yield counter("loraplex_engine_tokens", "Tokens run through the model (prompt chunks and decode)",
+                      s.num_tokens)
     if state.store is not None:
         c = state.store.cache_stats()
         yield counter("loraplex_host_cache_hits", "Host-cache hits", c.hits)

@@ -46,6 +46,7 @@ class EngineStats:
     resident_adapters: int
     num_preemptions: int
     num_steps: int
+    num_tokens: int  # tokens run through the model over all steps: prompt chunks and decode tokens
 
 
 class EngineCore:
@@ -77,6 +78,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_tokens = 0
         # SLO early abort and step-cost fitting (loraplex.admission.slo.SloController); None: off.
         self.slo = None
         self._warmed_up = False
@@ -257,6 +259,7 @@ class EngineCore:
         result = self.runner.execute(sched)
         seconds = time.perf_counter() - t0
         self.num_steps += 1
+        self.num_tokens += sched.num_tokens
         outs = self._postprocess(sched, result)
         if self.slo is not None:
             from loraplex.admission.cost_model import StepRecord
@@ -315,4 +318,5 @@ class EngineCore:
             resident_adapters=p.resident_adapters,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
+            num_tokens=self.num_tokens,
         )

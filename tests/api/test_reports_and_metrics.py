@@ -110,6 +110,10 @@ def test_metrics_exposes_tenant_series_and_gauges(live, traffic):
                  "loraplex_host_cache_hits_total", "loraplex_adapter_loads_total", "loraplex_metering_pending",
                  "loraplex_engine_alive 1.0"):
         assert name in body, name
+    engine = {line.split()[0]: float(line.split()[1]) for line in body.splitlines()
+              if line.startswith("loraplex_engine_") and not line.startswith("loraplex_engine_alive")}
+    # Every step runs at least one token through the model.
+    assert engine["loraplex_engine_tokens_total"] >= engine["loraplex_engine_steps_total"] > 0
 
 
 def test_label_cardinality_is_capped():

@@ -152,8 +152,17 @@ def test_targets_are_checked_on_the_run_figures(result):
     assert peft["bound"] == 10.0 and peft["met"] == (peft["measured"] >= 10.0)
     # The reachable ratio at the matmul floor is stated beside it (PEFT's time over the floor's).
     floor_s = float(peft["detail"].split("matmul floor ")[1].split(" s")[0])
-    at_floor = float(peft["detail"].rsplit("would be ", 1)[1])
+    at_floor = float(peft["detail"].split("would be ")[1].split(";")[0])
     assert floor_s > 0 and at_floor == pytest.approx(m["peft-static"]["wall_s"] / floor_s, rel=0.02)
+    # And at the roofline of loraplex's own steps: each step takes at least its weights' bytes over the read
+    # bandwidth (float32 here), and all of them less than the run itself.
+    steps_s = float(peft["detail"].split("whichever take longer) ")[1].split(" s")[0])
+    at_steps = float(peft["detail"].rsplit("would be ", 1)[1])
+    assert at_steps == pytest.approx(m["peft-static"]["wall_s"] / steps_s, rel=0.02)
+    steps = result["offline"]["extra"]["loraplex"]["steps"]
+    cfg, c = load_model_config(result["model"]), result["ceilings"]
+    assert steps_s >= steps * linear_params(cfg) * 4 / (c["read_gbps"] * 1e9) * 0.99
+    assert steps_s < m["loraplex"]["wall_s"]
     loss = targets["loss against loraplex without adapters / the floor's predicted loss"]
     assert loss["bound"] == 1.3 and "predicted" in loss["detail"] and "A B B A" in loss["detail"]
     walls = {k: v["wall_s"] for k, v in m.items()}
