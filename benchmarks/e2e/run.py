@@ -39,7 +39,7 @@ from e2e.plot import plot_scaling  # noqa: E402
 from e2e.scaling import ScalingPoint, run_scaling  # noqa: E402
 from e2e.systems import HFContinuousBatching, HFStaticBatches, LoraplexSystem  # noqa: E402
 from e2e.targets import decode_checks, floor_loss, matmul_floor_s, offline_checks, online_checks, print_checks, \
-    scaling_checks, step_floor_s  # noqa: E402
+    scaling_checks, step_floor_s, step_roofline  # noqa: E402
 from e2e.workload import adapter_rank, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
@@ -107,6 +107,16 @@ def load_hf(path: Path, dtype: torch.dtype, device: torch.device, adapters: dict
     for n in names[1:]:
         peft.load_adapter(adapters[n], adapter_name=n)
     return base, peft.eval()
+
+
+def print_step_rooflines(rooflines: dict) -> None:
+    """Where each loraplex run's time goes against its steps' floors (targets.step_roofline)."""
+    if not rooflines:
+        return
+    print("\n| run | prefill steps: s (floor s) | decode steps: s (floor s) |\n|---|---|---|")
+    for name, r in rooflines.items():
+        print(f"| {name} | {r.prefill_steps}: {r.prefill_s:.2f} ({r.prefill_floor_s:.2f}) | "
+              f"{r.decode_steps}: {r.decode_s:.2f} ({r.decode_floor_s:.2f}) |")
 
 
 def write_result(result: dict, checks: list, out: Path, t_start: float, parts: list[str], complete: bool) -> None:
@@ -236,6 +246,10 @@ def main(argv: list[str] | None = None) -> dict:
         "offline": offline.as_dict(),
     }
     print_mode(offline)
+    rooflines = {name: r for name in ("loraplex", "loraplex-no-adapters")
+                 if (r := step_roofline(offline.runs[name], cfg, ceilings, dtype.itemsize)) is not None}
+    result["offline"]["step_roofline"] = {name: r.as_dict() for name, r in rooflines.items()}
+    print_step_rooflines(rooflines)
     # The adapters' loss from the A B B A pair (mean walls): the two are compared within a minute or two.
     loss = floor_loss(mean_wall(offline.runs, "loraplex"), mean_wall(offline.runs, "loraplex-no-adapters"), requests,
                       cfg, ceilings, dtype.itemsize)

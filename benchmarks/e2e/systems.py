@@ -39,7 +39,7 @@ class RequestRecord:
 
 
 # RunResult.extra's lists with one entry per engine step: used by the floors, left out of the JSON.
-PER_STEP = ("steps_adapters", "steps_tokens", "steps_sampled")
+PER_STEP = ("steps_adapters", "steps_tokens", "steps_sampled", "steps_s")
 
 
 @dataclass
@@ -113,6 +113,7 @@ class LoraplexSystem:
         steps_adapters: list[tuple[str, ...]] = []  # distinct adapters that produced tokens, per step
         steps_tokens: list[int] = []  # tokens the step ran through the model (prompt chunks and decode tokens)
         steps_sampled: list[int] = []  # requests that got a token (rows of the LM head)
+        steps_s: list[float] = []  # each step's wall
         loading: list[tuple[BenchRequest, Future]] = []  # arrived, adapter loading (arrival order)
 
         def add(r: BenchRequest, adapter: str | None) -> None:
@@ -148,9 +149,11 @@ class LoraplexSystem:
                 elif i < len(pending):
                     _sleep_until(t0, pending[i].arrival_s)
                 continue
+            before = time.perf_counter() - t0
             tokens_before = eng.num_tokens
             outs = eng.step()
             now = time.perf_counter() - t0
+            steps_s.append(now - before)
             steps_tokens.append(eng.num_tokens - tokens_before)
             steps_sampled.append(sum(1 for o in outs if o.new_token_ids))
             for o in outs:
@@ -164,7 +167,7 @@ class LoraplexSystem:
         return RunResult(self.name, [recs[r.id] for r in requests], wall,
                          {"steps": len(steps_adapters), "preemptions": stats.num_preemptions,
                           "steps_adapters": steps_adapters, "steps_tokens": steps_tokens,
-                          "steps_sampled": steps_sampled})
+                          "steps_sampled": steps_sampled, "steps_s": steps_s})
 
 
 # -- transformers, static batches --------------------------------------------------------------------

@@ -75,25 +75,60 @@ def matmul_floor_s(requests: Sequence[BenchRequest], cfg: ModelConfig, ceilings:
     return flops / (ceilings.matmul_gflops * 1e9)
 
 
-def step_floor_s(run: RunResult, cfg: ModelConfig, ceilings: Ceilings, itemsize: int) -> float | None:
-    """The least time the run's own steps take at the roofline: each step the longer of its matmul FLOPs over the
-    measured matmul rate and the bytes it must read over the measured read bandwidth, summed. A step reads every
-    weight of the projections and the LM head once (538 MB for the default model in float32, past a CPU's L3) and
-    the distinct adapters it serves; its FLOPs are its tokens through the layers and its sampled rows through the
-    LM head. LoRA FLOPs, attention and the KV cache's bytes are left out, so this stays a floor. None: the run did
-    not record its steps' tokens."""
+def step_floors(run: RunResult, cfg: ModelConfig, ceilings: Ceilings, itemsize: int) -> list[float] | None:
+    """The least time each of the run's steps takes at the roofline: the longer of its matmul FLOPs over the measured
+    matmul rate and the bytes it must read over the measured read bandwidth. A step reads every weight of the
+    projections and the LM head once (the default model's 538 MB in float32 do not fit a CPU's L3) and the distinct
+    adapters it serves; its FLOPs are its tokens through the layers and its sampled rows through the LM head. LoRA
+    FLOPs, attention and the KV cache's bytes are left out, so these stay floors. None: the run did not record its
+    steps' tokens."""
     tokens, sampled = run.extra.get("steps_tokens"), run.extra.get("steps_sampled")
     if tokens is None or sampled is None:
         return None
     head = cfg.vocab_size * cfg.hidden_size
     layers = linear_params(cfg) - head
     weight_bytes = linear_params(cfg) * itemsize
-    total = 0.0
+    floors = []
     for t, s, adapters in zip(tokens, sampled, run.extra["steps_adapters"]):
         flops = 2.0 * (t * layers + s * head)
         nbytes = weight_bytes + sum(adapter_elements(cfg, adapter_rank(a)) * itemsize for a in adapters)
-        total += max(flops / (ceilings.matmul_gflops * 1e9), nbytes / (ceilings.read_gbps * 1e9))
-    return total
+        floors.append(max(flops / (ceilings.matmul_gflops * 1e9), nbytes / (ceilings.read_gbps * 1e9)))
+    return floors
+
+
+def step_floor_s(run: RunResult, cfg: ModelConfig, ceilings: Ceilings, itemsize: int) -> float | None:
+    """The sum of step_floors: the least time the run's own steps take at the roofline."""
+    floors = step_floors(run, cfg, ceilings, itemsize)
+    return None if floors is None else sum(floors)
+
+
+@dataclass(frozen=True)
+class StepRoofline:
+    """A run's steps against their floors (step_floors), split where the two kinds of step are bound differently:
+    steps that ran prompt tokens (prefill; FLOPs bind) and decode-only steps (the weights' bytes bind at small
+    batches)."""
+
+    prefill_steps: int
+    prefill_s: float
+    prefill_floor_s: float
+    decode_steps: int
+    decode_s: float
+    decode_floor_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_roofline(run: RunResult, cfg: ModelConfig, ceilings: Ceilings, itemsize: int) -> StepRoofline | None:
+    """None where the run did not record its steps (walls, tokens)."""
+    floors, walls = step_floors(run, cfg, ceilings, itemsize), run.extra.get("steps_s")
+    if floors is None or walls is None:
+        return None
+    # A decode-only step samples one token per token it runs; a step with prompt tokens runs more than it samples.
+    prefill = [t > s for t, s in zip(run.extra["steps_tokens"], run.extra["steps_sampled"])]
+    pick = lambda xs, want: [x for x, p in zip(xs, prefill) if p == want]  # noqa: E731
+    return StepRoofline(sum(prefill), sum(pick(walls, True)), sum(pick(floors, True)),
+                        len(prefill) - sum(prefill), sum(pick(walls, False)), sum(pick(floors, False)))
 
 
 def offline_checks(metrics: dict[str, Metrics], base_choice: str, loss: FloorLoss,

@@ -163,6 +163,15 @@ def test_targets_are_checked_on_the_run_figures(result):
     cfg, c = load_model_config(result["model"]), result["ceilings"]
     assert steps_s >= steps * linear_params(cfg) * 4 / (c["read_gbps"] * 1e9) * 0.99
     assert steps_s < m["loraplex"]["wall_s"]
+    # The same floors split by kind of step, beside the steps' walls, for both loraplex runs.
+    for name in ("loraplex", "loraplex-no-adapters"):
+        r = result["offline"]["step_roofline"][name]
+        assert r["prefill_steps"] >= 1 and r["decode_steps"] >= 1
+        assert r["prefill_steps"] + r["decode_steps"] == result["offline"]["extra"][name]["steps"]
+        assert 0 < r["prefill_floor_s"] < r["prefill_s"] and 0 < r["decode_floor_s"] < r["decode_s"]
+        assert r["prefill_s"] + r["decode_s"] <= m[name]["wall_s"]
+    r = result["offline"]["step_roofline"]["loraplex"]
+    assert r["prefill_floor_s"] + r["decode_floor_s"] == pytest.approx(steps_s, rel=0.01)
     loss = targets["loss against loraplex without adapters / the floor's predicted loss"]
     assert loss["bound"] == 1.3 and "predicted" in loss["detail"] and "A B B A" in loss["detail"]
     walls = {k: v["wall_s"] for k, v in m.items()}
