@@ -39,7 +39,7 @@ from e2e.plot import plot_scaling  # noqa: E402
 from e2e.scaling import ScalingPoint, run_scaling  # noqa: E402
 from e2e.systems import HFContinuousBatching, HFStaticBatches, LoraplexSystem  # noqa: E402
 from e2e.targets import decode_checks, floor_loss, matmul_floor_s, offline_checks, online_checks, print_checks, \
-    scaling_checks, step_floor_s, step_roofline  # noqa: E402
+    scaling_checks, step_roofline  # noqa: E402
 from e2e.workload import adapter_rank, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     loss = floor_loss(mean_wall(offline.runs, "loraplex"), mean_wall(offline.runs, "loraplex-no-adapters"), requests,
                       cfg, ceilings, dtype.itemsize)
     checks = offline_checks(offline.metrics, offline.base_choice, loss, matmul_floor_s(requests, cfg, ceilings),
-                            step_floor_s(offline.runs["loraplex"], cfg, ceilings, dtype.itemsize))
+                            rooflines["loraplex"].floor_s if "loraplex" in rooflines else None)
     parts = ["offline"]
     write_result(result, checks, out, t_start, parts, complete=False)
     def online_part() -> None:

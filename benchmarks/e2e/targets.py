@@ -3,7 +3,7 @@
 - loraplex >= 10x the output throughput of transformers + PEFT, at equal or better p99 TTFT (offline and
   online); beside the ratio, what it would be at two floors: the trace's matmul FLOPs at the measured rate
   (matmul_floor_s), and loraplex's own steps each at the longer of their FLOPs and the weight and adapter bytes
-  they read (step_floor_s);
+  they read (step_floors, StepRoofline.floor_s);
 - offline, loraplex with its adapters >= 100% of the better transformers base-model-only system (c);
 - loraplex's loss against its own no-adapter run <= 1.3x the loss the floor predicts: the extra time is
   the adapter bytes the steps read (each step reads the distinct adapters it serves) over the measured read
@@ -56,11 +56,15 @@ class FloorLoss:
         return self.measured_loss / self.predicted_loss if self.predicted_loss > 1e-9 else float("inf")
 
 
+def step_adapter_bytes(cfg: ModelConfig, adapters: Sequence[str], itemsize: int) -> int:
+    """The bytes of the distinct adapters one step serves: each is read once in the step."""
+    return sum(adapter_elements(cfg, adapter_rank(a)) * itemsize for a in adapters)
+
+
 def floor_loss(with_adapters: RunResult, without: RunResult, requests: Sequence[BenchRequest], cfg: ModelConfig,
                ceilings: Ceilings, itemsize: int) -> FloorLoss:
     """What the floor predicts the adapters cost over the no-adapter run of the same requests."""
-    nbytes = sum(adapter_elements(cfg, adapter_rank(a)) * itemsize
-                 for step in with_adapters.extra["steps_adapters"] for a in step)
+    nbytes = sum(step_adapter_bytes(cfg, step, itemsize) for step in with_adapters.extra["steps_adapters"])
     flops = sum(2.0 * (len(r.prompt) + r.output_tokens) * adapter_elements(cfg, adapter_rank(r.adapter))
                 for r in requests if r.adapter)
     extra_s = nbytes / (ceilings.read_gbps * 1e9) + flops / (ceilings.matmul_gflops * 1e9)
@@ -91,15 +95,9 @@ def step_floors(run: RunResult, cfg: ModelConfig, ceilings: Ceilings, itemsize: 
     floors = []
     for t, s, adapters in zip(tokens, sampled, run.extra["steps_adapters"]):
         flops = 2.0 * (t * layers + s * head)
-        nbytes = weight_bytes + sum(adapter_elements(cfg, adapter_rank(a)) * itemsize for a in adapters)
+        nbytes = weight_bytes + step_adapter_bytes(cfg, adapters, itemsize)
         floors.append(max(flops / (ceilings.matmul_gflops * 1e9), nbytes / (ceilings.read_gbps * 1e9)))
     return floors
-
-
-def step_floor_s(run: RunResult, cfg: ModelConfig, ceilings: Ceilings, itemsize: int) -> float | None:
-    """The sum of step_floors: the least time the run's own steps take at the roofline."""
-    floors = step_floors(run, cfg, ceilings, itemsize)
-    return None if floors is None else sum(floors)
 
 
 @dataclass(frozen=True)
@@ -114,6 +112,11 @@ class StepRoofline:
     decode_steps: int
     decode_s: float
     decode_floor_s: float
+
+    @property
+    def floor_s(self) -> float:
+        """The least time the run's steps take at the roofline, all of them."""
+        return self.prefill_floor_s + self.decode_floor_s
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -133,7 +136,7 @@ def step_roofline(run: RunResult, cfg: ModelConfig, ceilings: Ceilings, itemsize
 
 def offline_checks(metrics: dict[str, Metrics], base_choice: str, loss: FloorLoss,
                    floor_s: float | None = None, steps_floor_s: float | None = None) -> list[TargetCheck]:
-    """floor_s (matmul_floor_s of the trace) and steps_floor_s (step_floor_s of loraplex's run): bound the
+    """floor_s (matmul_floor_s of the trace) and steps_floor_s (StepRoofline.floor_s of loraplex's run): bound the
     reachable ratio against transformers + PEFT at PEFT's time over them, stated in the ratio's detail."""
     ours, peft, base = metrics["loraplex"], metrics["peft-static"], metrics[base_choice]
     bound = ""
