@@ -58,6 +58,8 @@ inline void store(float* p, vec v) { *reinterpret_cast<vec_u*>(p) = v; }
 // x, spilled registers inside the loop; the integer work took issue slots from the FMAs (Intel Xeon,
 // eighteenth session, all layers' projections streaming from memory, the two builds alternating: 64 rows
 // 290 -> 330 GFLOP/s, 2048 rows 311 -> 340; bit for bit the same sums; RESULTS.md).
+// H is the prefetches' locality hint: 2 (prefetcht1) everywhere but on AMD CPUs at 24 rows or more, where
+// 3 (prefetcht0) measured faster (l1_prefetch below).
 // LoRA epilogue of a block (linear_lora): acc += s @ B^T[:, the panel's columns], s [R, rank] (row
 // stride ss, scale applied), bcol[k] the panel's NR columns of B^T's row k. rank 0: none.
 struct Epilogue {
@@ -83,7 +85,7 @@ inline void fma_k(vec (&a0)[R], vec (&a1)[R], const float* __restrict x, int64_t
   }
 }
 
-template <int R>
+template <int R, int H>
 void block(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t K, float* __restrict y,
            int64_t ys, int ncols, const float* __restrict bias, const float* next, int pf_phase, int pf_stride,
            const Epilogue& lora) {
@@ -100,11 +102,11 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
   uintptr_t pf = next != nullptr ? reinterpret_cast<uintptr_t>(next) + K * NR * 4 * pf_phase / pf_stride : 0;
   int64_t k = 0;
   for (; k + 2 <= K; k += 2) {
-    if (lines > 0) __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 2);
-    if (lines > 1) __builtin_prefetch(reinterpret_cast<const void*>(pf + 64), 0, 2);
+    if (lines > 0) __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, H);
+    if (lines > 1) __builtin_prefetch(reinterpret_cast<const void*>(pf + 64), 0, H);
     if (lines > 2) {
-      __builtin_prefetch(reinterpret_cast<const void*>(pf + 128), 0, 2);
-      __builtin_prefetch(reinterpret_cast<const void*>(pf + 192), 0, 2);
+      __builtin_prefetch(reinterpret_cast<const void*>(pf + 128), 0, H);
+      __builtin_prefetch(reinterpret_cast<const void*>(pf + 192), 0, H);
     }
     pf += step;
     fma_k<R>(a0, a1, x, xs, k, load(w + k * NR), load(w + k * NR + V));
@@ -134,22 +136,40 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int, const float*,
                          const float*, int, int, const Epilogue&);
 
-template <int... Rs>
+template <int H, int... Rs>
 constexpr std::array<BlockFn, sizeof...(Rs)> block_table(std::integer_sequence<int, Rs...>) {
-  return {&block<Rs + 1>...};
+  return {&block<Rs + 1, H>...};
 }
-constexpr auto BLOCKS = block_table(std::make_integer_sequence<int, MR>{});  // BLOCKS[r - 1]: r rows
+// BLOCKS[h][r - 1]: r rows, the next panel prefetched with hint 2 (h = 0) or 3 (h = 1).
+constexpr std::array<std::array<BlockFn, MR>, 2> BLOCKS = {block_table<2>(std::make_integer_sequence<int, MR>{}),
+                                                           block_table<3>(std::make_integer_sequence<int, MR>{})};
+
+// Whether a call of M rows prefetches the next panel into L1 (prefetcht0) rather than L2 (prefetcht1). On
+// an AMD EPYC Zen 4 (AVX-512), all layers' projections and the LM head at M rows, weights streaming from
+// memory, the two alternating in one process (RESULTS.md, twenty-fourth session): t0 against t1 at 24 / 32 /
+// 48 / 64 / 512 rows 0.935 / 0.924 / 0.944 / 0.941 / 0.983 of the time, but 1.02-1.04 at 1 / 8 / 16 rows,
+// where the step is bound by the weights' stream rather than the FMAs. Intel Xeons keep t1 throughout:
+// it is the hint that was measured there (t0 was not).
+bool l1_prefetch(int64_t M) {
+#if defined(__AVX512F__)
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd && M >= 2 * MR;
+#else
+  return false;  // measured only on AVX-512 CPUs
+#endif
+}
 
 // Rows [m0, m0 + m) of x against one panel, in ceil(m / MR) blocks whose sizes differ by at most one.
 void rows_by_panel(const float* x, int64_t xs, int64_t m0, int64_t m, const float* w, int64_t K, float* y,
-                   int64_t ys, int ncols, const float* bias, const float* next, const Epilogue& lora) {
+                   int64_t ys, int ncols, const float* bias, const float* next, const Epilogue& lora,
+                   const std::array<BlockFn, MR>& blocks) {
   const int64_t nb = (m + MR - 1) / MR;
   const int64_t base = m / nb, extra = m % nb;
   int64_t r0 = m0;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t rows = base + (b < extra ? 1 : 0);
     const Epilogue e{lora.s == nullptr ? nullptr : lora.s + (r0 - m0) * lora.ss, lora.ss, lora.bcol, lora.rank};
-    BLOCKS[rows - 1](x + r0 * xs, xs, w, K, y + r0 * ys, ys, ncols, bias, next, static_cast<int>(b),
+    blocks[rows - 1](x + r0 * xs, xs, w, K, y + r0 * ys, ys, ncols, bias, next, static_cast<int>(b),
                      static_cast<int>(nb), e);
     r0 += rows;
   }
@@ -209,6 +229,7 @@ torch::Tensor run(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Te
   const int64_t xs = x.stride(0);
   const int64_t chunk = std::max<int64_t>(MR, X_CHUNK_BYTES / (std::max<int64_t>(K, 1) * 4) / MR * MR);
   const LoraPlan::Piece whole{0, M, -1};
+  const auto& blocks = BLOCKS[l1_prefetch(M) ? 1 : 0];
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     const float* bcol[LoraPlan::MAX_RANK];
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
@@ -230,7 +251,7 @@ torch::Tensor run(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Te
           // 18.2 -> 15.5 and 17.5 -> 14.5 ms, 8 segments (80 rounds) 9.35 -> 8.84.
           for (int k = 0; k < e.rank; ++k) __builtin_prefetch(bcol[k] + NR, 0, 2);
           rows_by_panel(xp, xs, a, b - a, wp + p * K * NR, K, yp + p * NR, n, ncols,
-                        bp == nullptr ? nullptr : bp + p * NR, next, e);
+                        bp == nullptr ? nullptr : bp + p * NR, next, e, blocks);
           next = nullptr;
         }
       }
