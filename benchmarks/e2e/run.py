@@ -136,7 +136,9 @@ def write_result(result: dict, checks: list, out: Path, t_start: float, parts: l
 def run_part(name: str, part, result: dict, log) -> None:
     """Run one optional part (online, decode, scaling); an exception in it is logged and recorded under
     result["errors"] and the next part still runs: on a lent GPU the whole benchmark is one call, and a
-    failure late in it should not cost the parts that work. `complete` then stays false."""
+    failure late in it should not cost the parts that work. `complete` then stays false. Its wall time goes
+    into result["part_s"] either way."""
+    t0 = time.perf_counter()
     try:
         part()
     except Exception as e:  # noqa: BLE001 - recorded in the JSON and the exit status
@@ -145,6 +147,15 @@ def run_part(name: str, part, result: dict, log) -> None:
         traceback.print_exc()
         log(f"{name}: FAILED {type(e).__name__}: {e}")
         result.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+    finally:
+        record_part(result, name, time.perf_counter() - t0, log)
+
+
+def record_part(result: dict, name: str, seconds: float, log) -> None:
+    """A part's wall time (setup, offline, online, decode, scaling) into result["part_s"], logged: the quick
+    run's bound (under 10 minutes) is checked against these."""
+    result.setdefault("part_s", {})[name] = round(seconds, 1)
+    log(f"{name}: {seconds:.1f} s")
 
 
 def print_mode(r: ModeResult) -> None:
@@ -233,8 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
                       base_candidates=base_candidates,
                       loraplex_base=LoraplexSystem("loraplex-no-adapters", engine, False))
 
+    setup_s = time.perf_counter() - t_start  # roofline, engine, adapters, transformers' models
     log(f"offline: {len(requests)} requests, {len(adapters)} distinct adapters...")
+    t_offline = time.perf_counter()
     offline = run_offline(systems, requests, p.sample, p.prefix_tokens, log)
+    offline_s = time.perf_counter() - t_offline
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "preset": preset_name, "preset_values": dataclasses.asdict(p),
         "device": str(device), "dtype": dtype_name, "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -245,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "(c) is the better of the candidates by offline output tok/s; online replays only that one"],
         "offline": offline.as_dict(),
     }
+    record_part(result, "setup", setup_s, log)
+    record_part(result, "offline", offline_s, log)
     print_mode(offline)
     rooflines = {name: r for name in ("loraplex", "loraplex-no-adapters")
                  if (r := step_roofline(offline.runs[name], cfg, ceilings, dtype.itemsize)) is not None}

@@ -190,6 +190,11 @@ def test_the_finished_run_is_written_complete(result):
     written = json.loads(Path(result["scaling"]["plot"]).with_suffix(".json").read_text())
     assert written["complete"] is True and written["parts_done"] == ["offline", "online", "decode", "scaling"]
     assert written["offline"] == result["offline"] and written["targets"] == result["targets"]
+    # Each part's wall time (the quick run's bound is on the whole): they add up to the run, which also
+    # writes the JSON and plots between them.
+    parts = written["part_s"]
+    assert list(parts) == ["setup", "offline", "online", "decode", "scaling"]
+    assert all(s > 0 for s in parts.values()) and sum(parts.values()) <= written["elapsed_s"] + 0.5
 
 
 def test_a_run_stopped_midway_keeps_the_parts_it_finished(tiny_model, tmp_path, monkeypatch):
@@ -226,8 +231,10 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs():
 
     e2e_run.run_part("online", broken, result, logged.append)
     e2e_run.run_part("decode", lambda: ran.append("decode"), result, logged.append)
-    assert result == {"errors": {"online": "ValueError: no such kernel"}}
-    assert ran == ["decode"] and logged == ["online: FAILED ValueError: no such kernel"]
+    assert result["errors"] == {"online": "ValueError: no such kernel"} and ran == ["decode"]
+    assert list(result["part_s"]) == ["online", "decode"]  # the failed part's time too
+    assert logged[0] == "online: FAILED ValueError: no such kernel"
+    assert [line.split(":")[0] for line in logged[1:]] == ["online", "decode"]
 
 
 def test_the_tiny_run_has_no_errors(result):
