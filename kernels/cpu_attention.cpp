@@ -334,14 +334,21 @@ constexpr int64_t LANE_ROWS = 16;
 // its keys, which lie side by side in the page, in one pass (one kv head after another, the same lines
 // were fetched kvh times, from L2 at best). False (the item's output rows left unwritten) when the tile
 // points outside the tables or the pool.
+// k_lo, k_hi: the keys this call reads (a part of a split decode token: see run_all); with part set (a
+// token of one row per query head, mt = 1), the rows' unnormalised results go there as part_floats(dp)
+// floats a row (reference max, sum of the weights, acc) for merge_parts, instead of into out.
+inline int64_t part_floats(int64_t dp) { return dp + 2; }
+
 template <int NV>
-bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
+bool run_item(const Problem& pb, int64_t w, Scratch& sc, int64_t k_lo = 0, int64_t k_hi = -1,
+              float* part = nullptr) {
   const int32_t* tile = pb.tiles + 4 * w;
   const int64_t seq = tile[0], tok0 = tile[1], mt = tile[2], keys0 = tile[3];
   const int d = NV > 0 ? NV * VL : (int)pb.d;
   const int64_t G = pb.group, Gt = G * pb.kvh, R = mt * Gt;  // rows per token: every query head
   const int64_t nkeys = keys0 + mt - 1;  // the last token's keys: every key any row reads
   if (seq < 0 || seq >= pb.num_seqs || mt < 1 || keys0 < 1 || nkeys > pb.max_blocks * pb.bs) return false;
+  const int64_t kend = k_hi < 0 ? nkeys : std::min(k_hi, nkeys);  // keys k_lo .. kend - 1 of this call
   // Rows padded to whole vectors: the vector loops over q and acc may run past head_dim (K/V
   // rows are never read past it).
   const int64_t dp = (d + VL - 1) / VL * VL;
@@ -372,12 +379,12 @@ bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
   }
 
   const float* ptrs[2][2][VL];  // [this chunk / next][K / V][key]
-  if (!locate(pb, seq, 0, 0, nkeys, ptrs[0][0], ptrs[0][1], pb.kvh)) return false;
-  for (int64_t t0 = 0, cur = 0; t0 < nkeys; t0 += VL, cur ^= 1) {
-    const int n = (int)std::min<int64_t>(VL, nkeys - t0);
-    if (t0 + VL < nkeys && !locate(pb, seq, 0, t0 + VL, nkeys, ptrs[cur ^ 1][0], ptrs[cur ^ 1][1], pb.kvh, false))
+  if (!locate(pb, seq, 0, k_lo, kend, ptrs[0][0], ptrs[0][1], pb.kvh)) return false;
+  for (int64_t t0 = k_lo, cur = 0; t0 < kend; t0 += VL, cur ^= 1) {
+    const int n = (int)std::min<int64_t>(VL, kend - t0);
+    if (t0 + VL < kend && !locate(pb, seq, 0, t0 + VL, kend, ptrs[cur ^ 1][0], ptrs[cur ^ 1][1], pb.kvh, false))
       return false;
-    const int next_n = t0 + VL < nkeys ? (int)std::min<int64_t>(VL, nkeys - t0 - VL) : 0;  // the next chunk's keys
+    const int next_n = t0 + VL < kend ? (int)std::min<int64_t>(VL, kend - t0 - VL) : 0;  // the next chunk's keys
     const int64_t lines = (pb.kvh * pb.d * (int64_t)sizeof(float) + 63) / 64;  // a key's K (or V) row, all heads
     const float* const* kp = ptrs[cur][0];
     const float* const* vp = ptrs[cur][1];
@@ -399,7 +406,7 @@ bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
       if (std::memcmp(&over, &vi_zero, sizeof over) != 0) {
         // Move the reference max to this chunk's (nothing to rescale before the first chunk).
         const float cm = hmax(sv);
-        const float alpha = t0 > 0 ? std::exp(mx[r] - cm) : 0.f;
+        const float alpha = t0 > k_lo ? std::exp(mx[r] - cm) : 0.f;
         float* ar = acc + r * dp;
         for (int64_t c = 0; c < dp; c += VL) store(ar + c, load(ar + c) * alpha);
         store(lb + r * VL, load(lb + r * VL) * alpha);
@@ -415,6 +422,15 @@ bool run_item(const Problem& pb, int64_t w, Scratch& sc) {
     }
   }
 
+  if (part != nullptr) {  // mt = 1: row r is query head r
+    for (int64_t r = 0; r < R; ++r) {
+      float* dst = part + r * part_floats(dp);
+      dst[0] = mx[r];
+      dst[1] = hsum(load(lb + r * VL));
+      std::memcpy(dst + 2, acc + r * dp, d * sizeof(float));
+    }
+    return true;
+  }
   for (int64_t j = 0; j < mt; ++j) {
     for (int64_t h = 0; h < Gt; ++h) {
       const int64_t r = j * Gt + h;
@@ -534,52 +550,113 @@ bool run_item_lanes(const Problem& pb, int64_t w, int64_t g, Scratch& sc) {
   return true;
 }
 
+// A decode token is split into parts (keys k0 .. k1 - 1 each, run on any thread, merged by merge_parts) when
+// the step's decode tokens are fewer than four times the threads and it has no prefill tiles: one sequence
+// alone otherwise ran on one thread, and 3 or 5 on 2 threads 2:1 or 3:2.
+// Parts keep at least SPLIT_MIN_KEYS keys: each costs a copy of q, its own first-chunk wait and the merge.
+constexpr int64_t SPLIT_MIN_KEYS = 256;
+
+// out[token's rows] from its parts' (max, sum, acc): the softmax over all its keys, each part's terms
+// rescaled to the largest of their reference maxima.
+void merge_parts(const Problem& pb, int64_t tok, int64_t rows, int64_t dp, const float* parts, int64_t num_parts) {
+  const int64_t pf = part_floats(dp);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_parts; ++p) m = std::max(m, parts[(p * rows + r) * pf]);
+    float l = 0.f;
+    float* dst = pb.out + tok * pb.o_s0 + r * pb.o_s1;
+    for (int64_t c = 0; c < pb.d; ++c) dst[c] = 0.f;
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float* src = parts + (p * rows + r) * pf;
+      const float wgt = std::exp(src[0] - m);
+      l += wgt * src[1];
+      for (int64_t c = 0; c < pb.d; ++c) dst[c] += wgt * src[2 + c];
+    }
+    const float inv = 1.f / l;
+    for (int64_t c = 0; c < pb.d; ++c) dst[c] *= inv;
+  }
+}
+
 template <int NV>
 bool run_all(const Problem& pb, int64_t num_tiles) {
   // Work units: (tile, kv head) for tiles that run in lanes (prefill); (tile, every kv head at once) for
   // tiles that run by rows (decode): a page holds a block's K rows of all heads side by side, then its
   // V rows, and one item over all heads reads each of its lines once (see run_item).
-  struct Unit { int64_t tile, head; };  // head -1: every kv head
+  // Split decode tokens: units with part >= 0 write rows of `parts` (slot part) instead of out.
+  struct Unit { int64_t tile, head, k0, k1, part; };  // head -1: every kv head; k1 -1: all the tile's keys
+  const int64_t threads = at::get_num_threads();
+  bool split = num_tiles < 4 * threads;
+  for (int64_t w = 0; w < num_tiles && split; ++w) split = pb.tiles[4 * w + 2] == 1 && pb.group < LANE_ROWS;
+  // Parts per token: at least two units a thread, and a whole number of units a thread (3 tokens on 2 threads
+  // in 3 parts each ran 8% slower than in 2: 5 units against 4).
+  int64_t per_tile = 1;
+  if (split) {
+    per_tile = (2 * threads + num_tiles - 1) / num_tiles;
+    while ((num_tiles * per_tile) % threads != 0) ++per_tile;
+  }
+  const int64_t rows = pb.group * pb.kvh, dp = (pb.d + VL - 1) / VL * VL;
   std::vector<Unit> units;
+  std::vector<int64_t> first_part(num_tiles + 1, 0);  // split tile w's parts: slots first_part[w] .. [w + 1] - 1
   units.reserve(num_tiles * pb.kvh);
   for (int64_t w = 0; w < num_tiles; ++w) {
-    if (pb.tiles[4 * w + 2] * pb.group >= LANE_ROWS)
-      for (int64_t g = 0; g < pb.kvh; ++g) units.push_back({w, g});
-    else
-      units.push_back({w, -1});
+    const int64_t nkeys = pb.tiles[4 * w + 3];
+    const int64_t n = std::min(per_tile, nkeys / SPLIT_MIN_KEYS);
+    first_part[w + 1] = first_part[w] + (n > 1 ? n : 0);
+    if (n > 1) {
+      for (int64_t p = 0; p < n; ++p)  // chunk-aligned bounds
+        units.push_back({w, -1, nkeys * p / n / VL * VL, p + 1 < n ? nkeys * (p + 1) / n / VL * VL : nkeys,
+                         first_part[w] + p});
+    } else if (pb.tiles[4 * w + 2] * pb.group >= LANE_ROWS) {
+      for (int64_t g = 0; g < pb.kvh; ++g) units.push_back({w, g, 0, -1, -1});
+    } else {
+      units.push_back({w, -1, 0, -1, -1});
+    }
   }
+  std::vector<float> parts(first_part[num_tiles] * rows * part_floats(dp));
   const int64_t items = static_cast<int64_t>(units.size());
-  std::atomic<int64_t> next{0};
   std::atomic<bool> ok{true};
   // Units differ in cost (sequence lengths, causal tiles): threads take them one at a time from a
   // shared counter instead of parallel_for's fixed contiguous ranges.
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  // A thread claims its next unit before computing the current one and prefetches that unit's first
-  // keys: within an item each chunk is prefetched during the one before, but the first would
-  // otherwise wait a full memory latency (an eighth of a 128-token decode).
-  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, items));
+  // Task t starts with unit t (its own: tasks t0 .. t1 - 1 where one thread runs several), the rest
+  // come from the counter. A thread claims its next unit before computing the current one and
+  // prefetches that unit's first keys: within an item each chunk is prefetched during the one before,
+  // but the first would otherwise wait a full memory latency (an eighth of a 128-token decode). With
+  // every unit from the counter, the first thread to start claimed the second unit too: two decode
+  // sequences ran one after the other on one thread while the other thread had nothing.
+  std::atomic<int64_t> next{nt};
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     Scratch sc;
-    int64_t it = next.fetch_add(1, std::memory_order_relaxed);
+    int64_t own = t0;
+    auto claim = [&]() { return own < t1 ? own++ : next.fetch_add(1, std::memory_order_relaxed); };
+    int64_t it = claim();
     while (it < items) {
-      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
+      const int64_t after = claim();
       if (after < items) {
         const int32_t* tile = pb.tiles + 4 * units[after].tile;
         const int64_t seq = tile[0], nkeys = (int64_t)tile[3] + tile[2] - 1;
         const float* ignored[2][VL];
+        const Unit& a = units[after];
         if (seq >= 0 && seq < pb.num_seqs && nkeys <= pb.max_blocks * pb.bs)  // else the kernel reports it
-          locate(pb, seq, std::max<int64_t>(0, units[after].head), 0, nkeys, ignored[0], ignored[1],
-                 units[after].head < 0 ? pb.kvh : 1);
+          locate(pb, seq, std::max<int64_t>(0, a.head), a.k0, a.k1 < 0 ? nkeys : a.k1, ignored[0], ignored[1],
+                 a.head < 0 ? pb.kvh : 1);
       }
       const Unit u = units[it];
       if (u.head >= 0) {
         if (!run_item_lanes<NV>(pb, u.tile, u.head, sc)) ok.store(false, std::memory_order_relaxed);
-      } else if (!run_item<NV>(pb, u.tile, sc)) {
+      } else if (!run_item<NV>(pb, u.tile, sc, u.k0, u.k1,
+                               u.part < 0 ? nullptr : parts.data() + u.part * rows * part_floats(dp))) {
         ok.store(false, std::memory_order_relaxed);
       }
       it = after;
     }
   });
-  return ok.load();
+  if (!ok.load()) return false;
+  for (int64_t w = 0; w < num_tiles; ++w)
+    if (first_part[w + 1] > first_part[w])
+      merge_parts(pb, pb.tiles[4 * w + 1], rows, dp, parts.data() + first_part[w] * rows * part_floats(dp),
+                  first_part[w + 1] - first_part[w]);
+  return true;
 }
 
 }  // namespace

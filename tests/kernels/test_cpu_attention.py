@@ -117,6 +117,48 @@ def test_large_scores_stay_finite(ext):
     assert rel_err(out, ref) < 1e-4  # near one-hot softmax: the scores' own fp32 rounding shows
 
 
+@pytest.fixture
+def two_threads():
+    # The kernel splits a small decode batch's sequences by keys (run_all) by the thread count: fixed here so
+    # that the split cases below are the ones a 2-core server runs.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+# Decode batches of fewer tokens than four times the threads, long enough (512 keys and up) to be cut into
+# parts: 1 token in 2-4 parts, 3 and 5 tokens in 2 (a whole number of units a thread); lengths off the
+# block and chunk edges, so that parts start mid-block.
+SPLIT_BATCHES = [((1000, 1),), ((2047, 1),), ((700, 1), (513, 1), (1200, 1)),
+                 ((511, 1), (600, 1), (530, 1), (900, 1), (64, 1))]
+
+
+@pytest.mark.parametrize("seqs", SPLIT_BATCHES)
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 24), (8, 32)])
+def test_small_decode_batches_split_by_keys_match_float64(ext, two_threads, seqs, group, head_dim):
+    spec = AttentionSpec(block_size=16, kv_heads=2, group=group, head_dim=head_dim, seqs=seqs, layer=1,
+                         seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    out, ref, _ = run_kernel(ext, spec, strided_q=True)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_split_parts_merge_with_far_apart_maxima(ext, threads):
+    """Scores in the thousands: each part's reference max differs from the others' by far more than
+    float32's exp range, and the merge rescales every part to the largest (one thread: two tokens, no
+    split, the same answer). Blocks of 5 keys: parts and chunks cross pages."""
+    spec = AttentionSpec(block_size=5, kv_heads=1, group=3, head_dim=16, seqs=((900, 1), (520, 1)),
+                         layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ref, _ = run_kernel(ext, spec, scale_mult=300.0)
+    finally:
+        torch.set_num_threads(before)
+    assert rel_err(out, ref) < 1e-4
+
+
 def test_decode_tiles_leave_prefill_rows_untouched(ext):
     """With prefill left to the torch path, the kernel writes the decode tokens and nothing else."""
     spec = AttentionSpec(block_size=8, kv_heads=2, group=3, head_dim=40, seqs=((7, 1), (3, 6), (20, 1), (0, 4)),
@@ -231,6 +273,14 @@ def test_avx2_build_edge_lengths_match_float64(ext_avx2, group, head_dim):
                                (130, 5), (3, 13)),
                          layer=1, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     out, ref, _ = run_kernel(ext_avx2, spec, strided_q=True)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("seqs", SPLIT_BATCHES)
+def test_avx2_build_split_decode_matches_float64(ext_avx2, two_threads, seqs):
+    spec = AttentionSpec(block_size=16, kv_heads=3, group=3, head_dim=64, seqs=seqs, layer=0,
+                         seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    out, ref, _ = run_kernel(ext_avx2, spec)
     assert rel_err(out, ref) < TOL
 
 
