@@ -585,7 +585,7 @@ bool run_all(const Problem& pb, int64_t num_tiles) {
   // Split decode tokens: units with part >= 0 write rows of `parts` (slot part) instead of out.
   struct Unit { int64_t tile, head, k0, k1, part; };  // head -1: every kv head; k1 -1: all the tile's keys
   const int64_t threads = at::get_num_threads();
-  bool split = num_tiles < 4 * threads;
+  bool split = threads > 1 && num_tiles < 4 * threads;  // one thread runs the parts one after another: no gain
   for (int64_t w = 0; w < num_tiles && split; ++w) split = pb.tiles[4 * w + 2] == 1 && pb.group < LANE_ROWS;
   // Parts per token: at least two units a thread, and a whole number of units a thread (3 tokens on 2 threads
   // in 3 parts each ran 8% slower than in 2: 5 units against 4).
