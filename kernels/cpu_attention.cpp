@@ -599,8 +599,8 @@ bool run_all(const Problem& pb, int64_t num_tiles) {
   std::vector<int64_t> first_part(num_tiles + 1, 0);  // split tile w's parts: slots first_part[w] .. [w + 1] - 1
   units.reserve(num_tiles * pb.kvh);
   for (int64_t w = 0; w < num_tiles; ++w) {
-    const int64_t nkeys = pb.tiles[4 * w + 3];
-    const int64_t n = std::min(per_tile, nkeys / SPLIT_MIN_KEYS);
+    const int64_t nkeys = pb.tiles[4 * w + 3];  // a decode tile's keys (only split tiles use it)
+    const int64_t n = split ? std::min(per_tile, nkeys / SPLIT_MIN_KEYS) : 1;
     first_part[w + 1] = first_part[w] + (n > 1 ? n : 0);
     if (n > 1) {
       for (int64_t p = 0; p < n; ++p)  // chunk-aligned bounds
@@ -633,10 +633,10 @@ bool run_all(const Problem& pb, int64_t num_tiles) {
     while (it < items) {
       const int64_t after = claim();
       if (after < items) {
-        const int32_t* tile = pb.tiles + 4 * units[after].tile;
+        const Unit& a = units[after];
+        const int32_t* tile = pb.tiles + 4 * a.tile;
         const int64_t seq = tile[0], nkeys = (int64_t)tile[3] + tile[2] - 1;
         const float* ignored[2][VL];
-        const Unit& a = units[after];
         if (seq >= 0 && seq < pb.num_seqs && nkeys <= pb.max_blocks * pb.bs)  // else the kernel reports it
           locate(pb, seq, std::max<int64_t>(0, a.head), a.k0, a.k1 < 0 ? nkeys : a.k1, ignored[0], ignored[1],
                  a.head < 0 ? pb.kvh : 1);

@@ -118,11 +118,11 @@ def test_large_scores_stay_finite(ext):
 
 
 @pytest.fixture
-def two_threads():
-    # The kernel splits a small decode batch's sequences by keys (run_all) by the thread count: fixed here so
-    # that the split cases below are the ones a 2-core server runs.
+def torch_threads(request):
+    # The kernel splits a small decode batch's sequences by keys (run_all) by the thread count: fixed here (2
+    # unless a test asks for others) so that the split cases are the ones a 2-core server runs.
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(getattr(request, "param", 2))
     yield
     torch.set_num_threads(before)
 
@@ -136,26 +136,21 @@ SPLIT_BATCHES = [((1000, 1),), ((2047, 1),), ((700, 1), (513, 1), (1200, 1)),
 
 @pytest.mark.parametrize("seqs", SPLIT_BATCHES)
 @pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 24), (8, 32)])
-def test_small_decode_batches_split_by_keys_match_float64(ext, two_threads, seqs, group, head_dim):
+def test_small_decode_batches_split_by_keys_match_float64(ext, torch_threads, seqs, group, head_dim):
     spec = AttentionSpec(block_size=16, kv_heads=2, group=group, head_dim=head_dim, seqs=seqs, layer=1,
                          seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     out, ref, _ = run_kernel(ext, spec, strided_q=True)
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_split_parts_merge_with_far_apart_maxima(ext, threads):
+@pytest.mark.parametrize("torch_threads", [1, 2, 3], indirect=True)
+def test_split_parts_merge_with_far_apart_maxima(ext, torch_threads):
     """Scores in the thousands: each part's reference max differs from the others' by far more than
     float32's exp range, and the merge rescales every part to the largest (one thread: two tokens, no
     split, the same answer). Blocks of 5 keys: parts and chunks cross pages."""
     spec = AttentionSpec(block_size=5, kv_heads=1, group=3, head_dim=16, seqs=((900, 1), (520, 1)),
                          layer=0, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, ref, _ = run_kernel(ext, spec, scale_mult=300.0)
-    finally:
-        torch.set_num_threads(before)
+    out, ref, _ = run_kernel(ext, spec, scale_mult=300.0)
     assert rel_err(out, ref) < 1e-4
 
 
@@ -277,7 +272,7 @@ def test_avx2_build_edge_lengths_match_float64(ext_avx2, group, head_dim):
 
 
 @pytest.mark.parametrize("seqs", SPLIT_BATCHES)
-def test_avx2_build_split_decode_matches_float64(ext_avx2, two_threads, seqs):
+def test_avx2_build_split_decode_matches_float64(ext_avx2, torch_threads, seqs):
     spec = AttentionSpec(block_size=16, kv_heads=3, group=3, head_dim=64, seqs=seqs, layer=0,
                          seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     out, ref, _ = run_kernel(ext_avx2, spec)
