@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 from .metrics import Metrics, OutputMatch, compare_outputs, summarize
 from .systems import PER_STEP, RunResult, System
@@ -24,38 +24,50 @@ class Systems:
 class ModeResult:
     mode: str
     runs: dict[str, RunResult]
-    metrics: dict[str, Metrics]
+    metrics: dict[str, Metrics]  # by run name (a repeated system's runs: name, name#2, ...)
     matches: list[OutputMatch]
     base_choice: str  # which (c) candidate stands for "transformers base model"
+    typical: dict[str, str] = field(default_factory=dict)  # repeated system -> the run that stands for it
+
+    @property
+    def headline(self) -> dict[str, Metrics]:
+        """Metrics by system: a repeated system's typical run (typical_run) stands for it."""
+        return {**self.metrics, **{name: self.metrics[run] for name, run in self.typical.items()}}
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "metrics": {k: m.as_dict() for k, m in self.metrics.items()},
                 "matches": [m.as_dict() for m in self.matches], "base_choice": self.base_choice,
+                "typical": dict(self.typical),
                 "extra": {k: {x: y for x, y in r.extra.items() if x not in PER_STEP}
                           for k, r in self.runs.items()}}
 
 
-REPEAT = "#2"  # suffix of a repeated run's name
+def repeat_name(name: str, i: int) -> str:
+    """The i-th run of a system (from 1): its name, then name#2, name#3, ..."""
+    return name if i == 1 else f"{name}#{i}"
 
 
 def serve_all(systems: Systems, requests: Sequence[BenchRequest], base_candidates: Sequence[System],
-              log=print, repeat_pair: bool = False) -> dict[str, RunResult]:
+              log=print, pair_blocks: int = 0) -> dict[str, RunResult]:
     """Every system on the same requests (the base-model systems on the same requests without adapters).
-    repeat_pair: loraplex with and without adapters run first, in the order A B B A (the repeats named
-    with REPEAT), so that their comparison (the adapters' loss) cancels a linear drift of the CPU's
-    speed, which on the AMD dev machine moved by up to 1.4x over minutes."""
+    pair_blocks > 0: loraplex with and without adapters run first, in pair_blocks blocks of the order A B B A
+    (the repeats named by repeat_name), so that their comparison (the adapters' loss) cancels a linear drift of
+    the CPU's speed, which on the AMD dev machine moved by up to 1.4x over minutes, and each system's i-th run
+    has the other's i-th run beside it (adapter_pair_losses)."""
     plain = without_adapters(requests)
     runs: dict[str, RunResult] = {}
-    pair = [(systems.loraplex, requests, ""), (systems.loraplex_base, plain, "")]
-    if repeat_pair:
-        order = [*pair, *[(s, r, REPEAT) for s, r, _ in reversed(pair)]]
-    else:
-        order = pair[:1]
-    order += [(systems.peft, requests, ""), *[(c, plain, "") for c in base_candidates]]
-    if not repeat_pair:
-        order.append(pair[1])
-    for system, reqs, suffix in order:
-        name = system.name + suffix
+    a, b = (systems.loraplex, requests), (systems.loraplex_base, plain)
+    order = []
+    for block in range(pair_blocks):
+        i = 2 * block + 1
+        order += [(*a, i), (*b, i), (*b, i + 1), (*a, i + 1)]
+    if not pair_blocks:
+        order.append((*a, 1))
+    order += [(systems.peft, requests, 1), *[(c, plain, 1) for c in base_candidates]]
+    if not pair_blocks:
+        order.append((*b, 1))
+    for system, reqs, i in order:
+        name = repeat_name(system.name, i)
         log(f"  {name}: {len(reqs)} requests...")
         system.warmup()
         runs[name] = system.serve(reqs)
@@ -63,10 +75,26 @@ def serve_all(systems: Systems, requests: Sequence[BenchRequest], base_candidate
     return runs
 
 
-def mean_wall(runs: dict[str, RunResult], name: str) -> RunResult:
-    """The run of `name` with its wall the mean over it and its repeat (if any)."""
-    reps = [runs[n] for n in (name, name + REPEAT) if n in runs]
-    return replace(reps[0], wall_s=sum(r.wall_s for r in reps) / len(reps))
+def repeats(runs: dict[str, RunResult], name: str) -> list[RunResult]:
+    """A system's runs in the order they ran."""
+    out, i = [], 1
+    while (n := repeat_name(name, i)) in runs:
+        out.append(runs[n])
+        i += 1
+    return out
+
+
+def typical_run(runs: dict[str, RunResult], name: str) -> str:
+    """The name of the run that stands for a repeated system: the median wall, the slower of the two middle
+    ones for an even count. One run in a few on a shared machine is disturbed by a third or more (RESULTS.md),
+    and the first one alone was as likely as any to be it."""
+    reps = sorted(((r.wall_s, i) for i, r in enumerate(repeats(runs, name), 1)))
+    return repeat_name(name, reps[len(reps) // 2][1])
+
+
+def adapter_pair_losses(runs: dict[str, RunResult], with_name: str, without_name: str) -> list[float]:
+    """1 - wall without / wall with for each i-th pair of runs (neighbours in time: serve_all's A B B A)."""
+    return [1.0 - b.wall_s / a.wall_s for a, b in zip(repeats(runs, with_name), repeats(runs, without_name))]
 
 
 def check_outputs(systems: Systems, runs: dict[str, RunResult], base_names: Sequence[str],
@@ -80,10 +108,13 @@ def check_outputs(systems: Systems, runs: dict[str, RunResult], base_names: Sequ
 
 
 def run_offline(systems: Systems, requests: Sequence[BenchRequest], sample: int = 16, prefix_tokens: int = 16,
-                log=print) -> ModeResult:
+                log=print, pair_blocks: int = 1) -> ModeResult:
+    """pair_blocks: blocks of A B B A runs of loraplex with and without adapters (serve_all)."""
     reqs = all_at_once(requests)
-    runs = serve_all(systems, reqs, systems.base_candidates, log, repeat_pair=True)
+    runs = serve_all(systems, reqs, systems.base_candidates, log, pair_blocks=pair_blocks)
     metrics = {name: summarize(run) for name, run in runs.items()}
     names = [c.name for c in systems.base_candidates]
     best = max(names, key=lambda n: metrics[n].throughput_tok_s)
-    return ModeResult("offline", runs, metrics, check_outputs(systems, runs, names, sample, prefix_tokens), best)
+    typical = {s.name: typical_run(runs, s.name) for s in (systems.loraplex, systems.loraplex_base)}
+    return ModeResult("offline", runs, metrics, check_outputs(systems, runs, names, sample, prefix_tokens), best,
+                      typical)

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 import traces as T  # noqa: E402
 from e2e.ceiling import decode_share, measure_ceilings  # noqa: E402
-from e2e.offline import ModeResult, Systems, mean_wall, run_offline  # noqa: E402
+from e2e.offline import ModeResult, Systems, adapter_pair_losses, repeats, run_offline  # noqa: E402
 from e2e.online import run_online  # noqa: E402
 from e2e.plot import plot_scaling  # noqa: E402
 from e2e.scaling import ScalingPoint, run_scaling  # noqa: E402
@@ -71,6 +71,7 @@ class Preset:
     sample: int = 16  # requests whose outputs are compared
     prefix_tokens: int = 16
     scaling_repeats: int = 1  # sweeps, in alternating order (scaling.py): a drifting CPU speed cancels out
+    adapter_blocks: int = 1  # offline blocks A B B A of loraplex with (A) and without (B) adapters
 
 
 PRESETS = {
@@ -80,10 +81,12 @@ PRESETS = {
     # decode_steps 8 (3 before): the fastest of 3 steps read 127 ms on a shared AMD EPYC where the same step
     # measured 74 ms minutes earlier; each step costs ~0.1 s more
     # scaling_repeats 4 (2 before; scaling.py takes the median): one disturbed run in a pair moved a point by 20%
+    # adapter_blocks 2 (1 before): on an Intel Xeon the same offline run took 5.3 to 8.3 s within minutes, and
+    # the loss from one block (two pairs) read 0.22 where six pairs' median read 0.09 (RESULTS.md)
     "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.7, 2.0, (1, 10, 100, 1000), 32, 160, 2048, 1024, 64, 8, True,
-                    scaling_repeats=4),
+                    scaling_repeats=4, adapter_blocks=2),
     "full": Preset(192, 128, 1024, 64, 256, 100, 32, 0.5, 2.0, (1, 10, 100, 1000), 512, 320, 3072, 1024, 64, 6,
-                   True, 32, 32),
+                   True, 32, 32, adapter_blocks=2),
 }
 
 
@@ -164,6 +167,8 @@ def print_mode(r: ModeResult) -> None:
     for name, m in r.metrics.items():
         print(f"| {name} | {m.throughput_rps:.3f} | {m.throughput_tok_s:.1f} | {m.ttft_p50_s:.2f} | "
               f"{m.ttft_p99_s:.2f} | {m.itl_p99_s:.3f} | {m.slo_attainment:.2f} | {m.wall_s:.1f} |")
+    for name, run in r.typical.items():
+        print(f"  {name} stands by its median run, {run}")
     for x in r.matches:
         print(f"  outputs {x.a} vs {x.b}: {x.exact_prefix_share:.2f} of {x.sampled} requests identical over the "
               f"first {x.prefix_tokens} tokens; mean leading agreement {x.leading_agreement:.2f}")
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup_s = time.perf_counter() - t_start  # roofline, engine, adapters, transformers' models
     log(f"offline: {len(requests)} requests, {len(adapters)} distinct adapters...")
     t_offline = time.perf_counter()
-    offline = run_offline(systems, requests, p.sample, p.prefix_tokens, log)
+    offline = run_offline(systems, requests, p.sample, p.prefix_tokens, log, p.adapter_blocks)
     offline_s = time.perf_counter() - t_offline
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "preset": preset_name, "preset_values": dataclasses.asdict(p),
@@ -256,25 +261,28 @@ def main(argv: list[str] | None = None) -> dict:
         "distinct_adapters": len(adapters), "pool_bytes": int(p.pool_mib * MiB),
         "notes": ["static batches run to the longest output of the batch; each request is credited with its "
                   "own output_tokens tokens and their times",
-                  "(c) is the better of the candidates by offline output tok/s; online replays only that one"],
+                  "(c) is the better of the candidates by offline output tok/s; online replays only that one",
+                  "offline, loraplex with and without adapters run in blocks A B B A; each stands by its median "
+                  "run (the slower middle one of an even count: offline.typical) in the targets"],
         "offline": offline.as_dict(),
     }
     record_part(result, "setup", setup_s, log)
     record_part(result, "offline", offline_s, log)
     print_mode(offline)
-    rooflines = {name: r for name in ("loraplex", "loraplex-no-adapters")
-                 if (r := step_roofline(offline.runs[name], cfg, ceilings, dtype.itemsize)) is not None}
+    rooflines = {name: r for name, run in offline.typical.items()
+                 if (r := step_roofline(offline.runs[run], cfg, ceilings, dtype.itemsize)) is not None}
     result["offline"]["step_roofline"] = {name: r.as_dict() for name, r in rooflines.items()}
     print_step_rooflines(rooflines)
-    # The adapters' loss from the A B B A pair (mean walls): the two are compared within a minute or two.
-    loss = floor_loss(mean_wall(offline.runs, "loraplex"), mean_wall(offline.runs, "loraplex-no-adapters"), requests,
-                      cfg, ceilings, dtype.itemsize)
-    checks = offline_checks(offline.metrics, offline.base_choice, loss, matmul_floor_s(requests, cfg, ceilings),
+    # The adapters' loss from the A B B A blocks: each pair of runs is compared within a minute or two.
+    loss = floor_loss(offline.runs["loraplex"], [r.wall_s for r in repeats(offline.runs, "loraplex-no-adapters")],
+                      adapter_pair_losses(offline.runs, "loraplex", "loraplex-no-adapters"), requests, cfg, ceilings,
+                      dtype.itemsize)
+    checks = offline_checks(offline.headline, offline.base_choice, loss, matmul_floor_s(requests, cfg, ceilings),
                             rooflines["loraplex"].floor_s if "loraplex" in rooflines else None)
     parts = ["offline"]
     write_result(result, checks, out, t_start, parts, complete=False)
     def online_part() -> None:
-        rate = p.online_load * offline.metrics["loraplex"].throughput_rps
+        rate = p.online_load * offline.headline["loraplex"].throughput_rps
         log(f"online: {rate:.3f} req/s ({p.online_load} x loraplex's offline rate), TTFT target "
             f"{p.ttft_target_s} s...")
         online = run_online(systems, requests, rate, p.ttft_target_s, offline.base_choice, p.sample,

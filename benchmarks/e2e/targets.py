@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -48,8 +49,9 @@ class FloorLoss:
     extra_bytes: int  # adapter bytes read over the run (each step: its distinct adapters)
     extra_flops: float  # LoRA FLOPs of every token that went through an adapter
     extra_s: float
-    predicted_loss: float  # 1 - t_without / (t_without + extra_s)
-    measured_loss: float  # 1 - throughput_with / throughput_without
+    predicted_loss: float  # 1 - t_without / (t_without + extra_s), t_without the median no-adapter wall
+    measured_loss: float  # the median of pair_losses
+    pair_losses: tuple[float, ...] = ()  # 1 - t_without / t_with of each pair of runs side by side in time
 
     @property
     def ratio(self) -> float:
@@ -61,15 +63,18 @@ def step_adapter_bytes(cfg: ModelConfig, adapters: Sequence[str], itemsize: int)
     return sum(adapter_elements(cfg, adapter_rank(a)) * itemsize for a in adapters)
 
 
-def floor_loss(with_adapters: RunResult, without: RunResult, requests: Sequence[BenchRequest], cfg: ModelConfig,
-               ceilings: Ceilings, itemsize: int) -> FloorLoss:
-    """What the floor predicts the adapters cost over the no-adapter run of the same requests."""
+def floor_loss(with_adapters: RunResult, without_walls: Sequence[float], pair_losses: Sequence[float],
+               requests: Sequence[BenchRequest], cfg: ModelConfig, ceilings: Ceilings, itemsize: int) -> FloorLoss:
+    """What the floor predicts the adapters cost over the no-adapter runs of the same requests (without_walls),
+    beside what pairs of runs measured (offline.adapter_pair_losses): the median of the pairs' losses, which one
+    disturbed run moves less than it moves a mean of walls."""
     nbytes = sum(step_adapter_bytes(cfg, step, itemsize) for step in with_adapters.extra["steps_adapters"])
     flops = sum(2.0 * (len(r.prompt) + r.output_tokens) * adapter_elements(cfg, adapter_rank(r.adapter))
                 for r in requests if r.adapter)
     extra_s = nbytes / (ceilings.read_gbps * 1e9) + flops / (ceilings.matmul_gflops * 1e9)
-    t0, t1 = without.wall_s, with_adapters.wall_s
-    return FloorLoss(nbytes, flops, extra_s, 1.0 - t0 / (t0 + extra_s), 1.0 - t0 / t1)
+    t0 = statistics.median(without_walls)
+    return FloorLoss(nbytes, flops, extra_s, 1.0 - t0 / (t0 + extra_s), statistics.median(pair_losses),
+                     tuple(pair_losses))
 
 
 def matmul_floor_s(requests: Sequence[BenchRequest], cfg: ModelConfig, ceilings: Ceilings) -> float:
@@ -156,7 +161,8 @@ def offline_checks(metrics: dict[str, Metrics], base_choice: str, loss: FloorLos
         TargetCheck(f"offline output tok/s, loraplex with adapters / {base_choice} (base model only)",
                     ours.throughput_tok_s / base.throughput_tok_s, 1.0, True),
         TargetCheck("loss against loraplex without adapters / the floor's predicted loss", loss.ratio, 1.3, False,
-                    f"measured {loss.measured_loss:.3f} (mean walls of runs in the order A B B A), "
+                    f"measured {loss.measured_loss:.3f} (the median of {len(loss.pair_losses)} pairs of runs in "
+                    f"the order A B B A: {', '.join(f'{x:.3f}' for x in loss.pair_losses)}), "
                     f"predicted {loss.predicted_loss:.3f} "
                     f"({loss.extra_bytes / 1e9:.2f} GB read, {loss.extra_flops / 1e9:.1f} GFLOP)"),
     ]
