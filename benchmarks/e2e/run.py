@@ -85,8 +85,10 @@ PRESETS = {
     # the loss from one block (two pairs) read 0.22 where six pairs' median read 0.09 (RESULTS.md)
     "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.7, 2.0, (1, 10, 100, 1000), 32, 160, 2048, 1024, 64, 8, True,
                     scaling_repeats=4, adapter_blocks=2),
+    # full: scaling_repeats 2 (1 before): one sweep on an Intel Xeon ran 1000 adapters faster than 1 (181.6 against
+    # 191.7 s, RESULTS.md, twenty-sixth session); a mirrored pair cancels a drift and halves a lone disturbance
     "full": Preset(192, 128, 1024, 64, 256, 100, 32, 0.5, 2.0, (1, 10, 100, 1000), 512, 320, 3072, 1024, 64, 6,
-                   True, 32, 32, adapter_blocks=2),
+                   True, 32, 32, scaling_repeats=2, adapter_blocks=2),
 }
 
 
