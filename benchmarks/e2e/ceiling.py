@@ -23,7 +23,7 @@ from .workload import FIRST_PROMPT_ID, adapter_elements
 class Ceilings:
     device: str
     dtype: str  # of the matmul measured (the model's dtype)
-    read_gbps: float
+    read_gbps: float  # on the CPU the median over fresh buffers (roofline.measure_roofline)
     copy_gbps: float  # bytes read + bytes written
     matmul_gflops: float  # the best of matmul_by_backend on the CPU (roofline.py: one library is not a ceiling)
     threads: int
@@ -31,6 +31,7 @@ class Ceilings:
     # On a GPU: where adapter loads go (the floor prices them there); None on the CPU.
     host_read_gbps: float | None = None  # host memory, read (a CPU tensor's sum)
     h2d_gbps: float | None = None  # pinned host memory to the device
+    read_gbps_by_buffer: list[float] = field(default_factory=list)  # the CPU's: each fresh buffer's best read
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +56,7 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, mib: int = 512, r
             raise ValueError("the CPU roofline measures float32 matmuls; run the CPU benchmark in float32")
         r = measure_roofline(mib=mib, n=n, reps=reps)
         return Ceilings("cpu", "float32", r.read_gbps, r.copy_gbps, r.matmul_gflops_fp32, r.threads,
-                        r.matmul_by_backend)
+                        r.matmul_by_backend, read_gbps_by_buffer=r.read_gbps_by_buffer)
     x = torch.ones(4 * mib * (1 << 20) // 4, device=device)  # 4x larger than the CPU's: caches are larger
     y = torch.empty_like(x)
     read = x.numel() * 4 / _best_cuda(lambda: x.sum(), reps) / 1e9

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .metrics import Metrics, OutputMatch, compare_outputs, summarize
-from .systems import PER_STEP, RunResult, System
+from .systems import PER_STEP, LoraplexSystem, RunResult, System, serve_interleaved
 from .workload import BenchRequest, all_at_once, without_adapters
 
 
@@ -47,13 +47,37 @@ def repeat_name(name: str, i: int) -> str:
     return name if i == 1 else f"{name}#{i}"
 
 
+def interleaved_name(name: str, i: int) -> str:
+    """The i-th run (from 1) of a system stepped in turn with the other's (serve_interleaved)."""
+    return f"{name}~{i}"
+
+
+def serve_pairs_interleaved(with_adapters: tuple[LoraplexSystem, Sequence[BenchRequest]],
+                            without: tuple[LoraplexSystem, Sequence[BenchRequest]], pairs: int,
+                            log=print) -> dict[str, RunResult]:
+    """`pairs` runs of loraplex with and without adapters stepped in turn (systems.serve_interleaved), which of
+    the two steps first alternating from pair to pair; named by interleaved_name."""
+    runs: dict[str, RunResult] = {}
+    for i in range(1, pairs + 1):
+        order = [with_adapters, without] if i % 2 else [without, with_adapters]
+        log(f"  {' and '.join(s.name for s, _ in order)} stepped in turn, pair {i}...")
+        for system, _ in order:
+            system.warmup()
+        for (system, _), run in zip(order, serve_interleaved(order)):
+            runs[interleaved_name(system.name, i)] = run
+            log(f"    {system.name}: {run.wall_s:.2f} s of its own steps")
+    return runs
+
+
 def serve_all(systems: Systems, requests: Sequence[BenchRequest], base_candidates: Sequence[System],
-              log=print, pair_blocks: int = 0) -> dict[str, RunResult]:
+              log=print, pair_blocks: int = 0, interleaved_pairs: int = 0) -> dict[str, RunResult]:
     """Every system on the same requests (the base-model systems on the same requests without adapters).
     pair_blocks > 0: loraplex with and without adapters run first, in pair_blocks blocks of the order A B B A
     (the repeats named by repeat_name), so that their comparison (the adapters' loss) cancels a linear drift of
     the CPU's speed, which on the AMD dev machine moved by up to 1.4x over minutes, and each system's i-th run
-    has the other's i-th run beside it (adapter_pair_losses)."""
+    has the other's i-th run beside it (adapter_pair_losses). interleaved_pairs > 0: then that many pairs of
+    the two stepped in turn (serve_pairs_interleaved; the two systems need an engine each), from which the
+    adapters' loss is taken where they ran."""
     plain = without_adapters(requests)
     runs: dict[str, RunResult] = {}
     a, b = (systems.loraplex, requests), (systems.loraplex_base, plain)
@@ -66,7 +90,10 @@ def serve_all(systems: Systems, requests: Sequence[BenchRequest], base_candidate
     order += [(systems.peft, requests, 1), *[(c, plain, 1) for c in base_candidates]]
     if not pair_blocks:
         order.append((*b, 1))
-    for system, reqs, i in order:
+    blocks_end = 4 * pair_blocks  # the A B B A blocks, then the pairs stepped in turn, then the rest
+    for k, (system, reqs, i) in enumerate(order):
+        if k == blocks_end and interleaved_pairs:
+            runs.update(serve_pairs_interleaved(a, b, interleaved_pairs, log))
         name = repeat_name(system.name, i)
         log(f"  {name}: {len(reqs)} requests...")
         system.warmup()
@@ -92,9 +119,21 @@ def typical_run(runs: dict[str, RunResult], name: str) -> str:
     return repeat_name(name, reps[len(reps) // 2][1])
 
 
-def adapter_pair_losses(runs: dict[str, RunResult], with_name: str, without_name: str) -> list[float]:
-    """1 - wall without / wall with for each i-th pair of runs (neighbours in time: serve_all's A B B A)."""
-    return [1.0 - b.wall_s / a.wall_s for a, b in zip(repeats(runs, with_name), repeats(runs, without_name))]
+def interleaved(runs: dict[str, RunResult], name: str) -> list[RunResult]:
+    """A system's runs stepped in turn with the other's (serve_pairs_interleaved), in the order they ran."""
+    out, i = [], 1
+    while (n := interleaved_name(name, i)) in runs:
+        out.append(runs[n])
+        i += 1
+    return out
+
+
+def adapter_pair_losses(runs: dict[str, RunResult], with_name: str, without_name: str,
+                        stepped_in_turn: bool = False) -> list[float]:
+    """1 - wall without / wall with for each i-th pair of runs: neighbours in time (serve_all's A B B A), or,
+    stepped_in_turn, the pairs stepped in turn."""
+    pick = interleaved if stepped_in_turn else repeats
+    return [1.0 - b.wall_s / a.wall_s for a, b in zip(pick(runs, with_name), pick(runs, without_name))]
 
 
 def check_outputs(systems: Systems, runs: dict[str, RunResult], base_names: Sequence[str],
@@ -108,10 +147,12 @@ def check_outputs(systems: Systems, runs: dict[str, RunResult], base_names: Sequ
 
 
 def run_offline(systems: Systems, requests: Sequence[BenchRequest], sample: int = 16, prefix_tokens: int = 16,
-                log=print, pair_blocks: int = 1) -> ModeResult:
-    """pair_blocks: blocks of A B B A runs of loraplex with and without adapters (serve_all)."""
+                log=print, pair_blocks: int = 1, interleaved_pairs: int = 0) -> ModeResult:
+    """pair_blocks: blocks of A B B A runs of loraplex with and without adapters; interleaved_pairs: pairs of
+    them stepped in turn (serve_all)."""
     reqs = all_at_once(requests)
-    runs = serve_all(systems, reqs, systems.base_candidates, log, pair_blocks=pair_blocks)
+    runs = serve_all(systems, reqs, systems.base_candidates, log, pair_blocks=pair_blocks,
+                     interleaved_pairs=interleaved_pairs)
     metrics = {name: summarize(run) for name, run in runs.items()}
     names = [c.name for c in systems.base_candidates]
     best = max(names, key=lambda n: metrics[n].throughput_tok_s)

@@ -33,13 +33,13 @@ import torch  # noqa: E402
 
 import traces as T  # noqa: E402
 from e2e.ceiling import decode_share, measure_ceilings  # noqa: E402
-from e2e.offline import ModeResult, Systems, adapter_pair_losses, repeats, run_offline  # noqa: E402
+from e2e.offline import ModeResult, Systems, adapter_pair_losses, interleaved, repeats, run_offline  # noqa: E402
 from e2e.online import run_online  # noqa: E402
 from e2e.plot import plot_scaling  # noqa: E402
 from e2e.scaling import ScalingPoint, run_scaling  # noqa: E402
 from e2e.systems import HFContinuousBatching, HFStaticBatches, LoraplexSystem  # noqa: E402
-from e2e.targets import decode_checks, floor_loss, matmul_floor_s, offline_checks, online_checks, print_checks, \
-    scaling_checks, step_roofline  # noqa: E402
+from e2e.targets import FloorLoss, adapter_extra_by_phase, decode_checks, floor_loss, matmul_floor_s, \
+    offline_checks, online_checks, print_checks, scaling_checks, step_roofline  # noqa: E402
 from e2e.workload import adapter_rank, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
@@ -72,10 +72,14 @@ class Preset:
     prefix_tokens: int = 16
     scaling_repeats: int = 1  # sweeps, in alternating order (scaling.py): a drifting CPU speed cancels out
     adapter_blocks: int = 1  # offline blocks A B B A of loraplex with (A) and without (B) adapters
+    # offline pairs of A and B stepped in turn on an engine each (offline.serve_pairs_interleaved): where there
+    # are any, the adapters' loss is theirs
+    interleaved_pairs: int = 0
 
 
 PRESETS = {
-    "tiny": Preset(8, 16, 48, 6, 12, 4, 4, 0.5, 2.0, (1, 4, 16), 8, 64, 512, 256, 8, 2, True, 8, 6, 2),
+    "tiny": Preset(8, 16, 48, 6, 12, 4, 4, 0.5, 2.0, (1, 4, 16), 8, 64, 512, 256, 8, 2, True, 8, 6, 2,
+                   interleaved_pairs=1),
     # online_load 0.7: the online runs last as long as their arrivals (48 / rate), which keeps quick under 10 min
     # scaling: mirrored sweeps of 32 requests (one of 64 before): a drifting CPU speed cancels out
     # decode_steps 8 (3 before): the fastest of 3 steps read 127 ms on a shared AMD EPYC where the same step
@@ -83,12 +87,15 @@ PRESETS = {
     # scaling_repeats 4 (2 before; scaling.py takes the median): one disturbed run in a pair moved a point by 20%
     # adapter_blocks 2 (1 before): on an Intel Xeon the same offline run took 5.3 to 8.3 s within minutes, and
     # the loss from one block (two pairs) read 0.22 where six pairs' median read 0.09 (RESULTS.md)
+    # interleaved_pairs 3: on an AMD EPYC pairs side by side in time read the loss at 0.017-0.142, stepped in turn
+    # at 0.070-0.095 (RESULTS.md, twenty-seventh session); a pair costs two offline runs (about 15 s)
     "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.7, 2.0, (1, 10, 100, 1000), 32, 160, 2048, 1024, 64, 8, True,
-                    scaling_repeats=4, adapter_blocks=2),
+                    scaling_repeats=4, adapter_blocks=2, interleaved_pairs=3),
     # full: scaling_repeats 2 (1 before): one sweep on an Intel Xeon ran 1000 adapters faster than 1 (181.6 against
     # 191.7 s, RESULTS.md, twenty-sixth session); a mirrored pair cancels a drift and halves a lone disturbance
+    # full: adapter_blocks 1 (2 before) beside 2 pairs stepped in turn, which carry the loss: two runs more in all
     "full": Preset(192, 128, 1024, 64, 256, 100, 32, 0.5, 2.0, (1, 10, 100, 1000), 512, 320, 3072, 1024, 64, 6,
-                   True, 32, 32, scaling_repeats=2, adapter_blocks=2),
+                   True, 32, 32, scaling_repeats=2, adapter_blocks=1, interleaved_pairs=2),
 }
 
 
@@ -122,6 +129,28 @@ def print_step_rooflines(rooflines: dict) -> None:
     for name, r in rooflines.items():
         print(f"| {name} | {r.prefill_steps}: {r.prefill_s:.2f} ({r.prefill_floor_s:.2f}) | "
               f"{r.decode_steps}: {r.decode_s:.2f} ({r.decode_floor_s:.2f}) |")
+
+
+def adapter_loss(offline: ModeResult, requests: list, cfg, ceilings, itemsize: int) -> FloorLoss:
+    """The adapters' loss against the floor's prediction: from the pairs stepped in turn where there are any (the
+    A B B A pairs' losses beside them), else from the A B B A pairs, each compared within a minute or two."""
+    runs, a, b = offline.runs, "loraplex", "loraplex-no-adapters"
+    block_losses = adapter_pair_losses(runs, a, b)
+    if interleaved(runs, a):
+        return floor_loss(interleaved(runs, a)[0], [r.wall_s for r in interleaved(runs, b)],
+                          adapter_pair_losses(runs, a, b, stepped_in_turn=True), requests, cfg, ceilings, itemsize,
+                          "stepped in turn", block_losses)
+    return floor_loss(runs[a], [r.wall_s for r in repeats(runs, b)], block_losses, requests, cfg, ceilings, itemsize)
+
+
+def print_phases(phases: list) -> None:
+    """Where the adapters' extra time goes (targets.adapter_extra_by_phase)."""
+    print("\n| adapters' extra, stepped in turn | steps | measured s | floor s (bytes + FLOPs) | / floor |\n"
+          "|---|---|---|---|---|")
+    for x in phases:
+        ratio = f"{x.measured_s / x.floor_s:.2f}" if x.floor_s > 0 else "-"
+        print(f"| {x.phase} | {x.steps} | {x.measured_s:.3f} | {x.floor_s:.3f} ({x.floor_bytes_s:.3f} + "
+              f"{x.floor_flops_s:.3f}) | {ratio} |")
 
 
 def write_result(result: dict, checks: list, out: Path, t_start: float, parts: list[str], complete: bool) -> None:
@@ -236,12 +265,16 @@ def main(argv: list[str] | None = None) -> dict:
     econf = EngineConfig(model=model, dtype=dtype_name, device=device.type, pool_bytes=int(p.pool_mib * MiB),
                          max_lora_rank=64, kernels="auto")
     engine = EngineCore(econf)
+    # Pairs stepped in turn need the no-adapter runs on an engine of their own: the same config, the same adapters
+    # loaded (so the same pages left for the KV cache and the same steps), the weights loaded again.
+    engine_b = EngineCore(econf) if p.interleaved_pairs else engine
     cfg = engine.model_config
     trace = T.generate(trace_spec(p, args.seed, p.num_adapters, p.requests))[: p.requests]
     requests = requests_from_trace(trace, cfg.vocab_size, args.seed, max_len=engine.max_model_len)
     adapters = ensure_adapters(work / "adapters", cfg, used_adapters(requests), args.seed)
     for name, path in adapters.items():
-        engine.load_adapter(name, path)
+        for e in {id(engine): engine, id(engine_b): engine_b}.values():
+            e.load_adapter(name, path)
     hf_base, hf_peft = load_hf(engine.model_path, dtype, device, adapters)
     base_candidates = [HFStaticBatches("transformers-static", hf_base, p.peft_batch, use_adapters=False)]
     if p.continuous_batching and "cb" not in args.skip:
@@ -249,12 +282,12 @@ def main(argv: list[str] | None = None) -> dict:
     systems = Systems(loraplex=LoraplexSystem("loraplex", engine, True),
                       peft=HFStaticBatches("peft-static", hf_peft, p.peft_batch, use_adapters=True),
                       base_candidates=base_candidates,
-                      loraplex_base=LoraplexSystem("loraplex-no-adapters", engine, False))
+                      loraplex_base=LoraplexSystem("loraplex-no-adapters", engine_b, False))
 
     setup_s = time.perf_counter() - t_start  # roofline, engine, adapters, transformers' models
     log(f"offline: {len(requests)} requests, {len(adapters)} distinct adapters...")
     t_offline = time.perf_counter()
-    offline = run_offline(systems, requests, p.sample, p.prefix_tokens, log, p.adapter_blocks)
+    offline = run_offline(systems, requests, p.sample, p.prefix_tokens, log, p.adapter_blocks, p.interleaved_pairs)
     offline_s = time.perf_counter() - t_offline
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M"), "preset": preset_name, "preset_values": dataclasses.asdict(p),
@@ -265,7 +298,10 @@ def main(argv: list[str] | None = None) -> dict:
                   "own output_tokens tokens and their times",
                   "(c) is the better of the candidates by offline output tok/s; online replays only that one",
                   "offline, loraplex with and without adapters run in blocks A B B A; each stands by its median "
-                  "run (the slower middle one of an even count: offline.typical) in the targets"],
+                  "run (the slower middle one of an even count: offline.typical) in the targets",
+                  "offline, runs named name~i: the i-th pair of loraplex with and without adapters stepped in turn, "
+                  "each on its own engine, each wall the time of its own steps; where there are any, the adapters' "
+                  "loss is the median of these pairs' (offline.adapter_extra_by_phase: where it goes)"],
         "offline": offline.as_dict(),
     }
     record_part(result, "setup", setup_s, log)
@@ -275,10 +311,13 @@ def main(argv: list[str] | None = None) -> dict:
                  if (r := step_roofline(offline.runs[run], cfg, ceilings, dtype.itemsize)) is not None}
     result["offline"]["step_roofline"] = {name: r.as_dict() for name, r in rooflines.items()}
     print_step_rooflines(rooflines)
-    # The adapters' loss from the A B B A blocks: each pair of runs is compared within a minute or two.
-    loss = floor_loss(offline.runs["loraplex"], [r.wall_s for r in repeats(offline.runs, "loraplex-no-adapters")],
-                      adapter_pair_losses(offline.runs, "loraplex", "loraplex-no-adapters"), requests, cfg, ceilings,
-                      dtype.itemsize)
+    loss = adapter_loss(offline, requests, cfg, ceilings, dtype.itemsize)
+    phases = adapter_extra_by_phase(interleaved(offline.runs, "loraplex"),
+                                    interleaved(offline.runs, "loraplex-no-adapters"), requests, cfg, ceilings,
+                                    dtype.itemsize)
+    if phases is not None:
+        result["offline"]["adapter_extra_by_phase"] = [x.as_dict() for x in phases]
+        print_phases(phases)
     checks = offline_checks(offline.headline, offline.base_choice, loss, matmul_floor_s(requests, cfg, ceilings),
                             rooflines["loraplex"].floor_s if "loraplex" in rooflines else None)
     parts = ["offline"]
@@ -297,7 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if "online" not in args.skip:
         run_part("online", online_part, result, log)
-    hf_base = hf_peft = systems = None  # the transformers models' memory goes before decode and scaling
+    # the transformers models' and the second engine's memory go before decode and scaling
+    hf_base = hf_peft = systems = engine_b = None
 
     def decode_part() -> None:
         log(f"decode at batch {p.decode_batch}...")
@@ -325,14 +365,16 @@ def main(argv: list[str] | None = None) -> dict:
         prefetch_loads = args.gpu
         loads = "prefetch thread" if prefetch_loads else "engine thread"
         log(f"scaling: {p.scaling_counts} adapters x {p.scaling_repeats}, {p.scaling_requests} requests, host cache "
-            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB, loads on the {loads}...")
+            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB, loads on the {loads}"
+            f"{'' if prefetch_loads else ', the counts stepped in turn'}...")
         spec = trace_spec(p, args.seed, 1, p.scaling_requests)
         points = run_scaling(dataclasses.replace(econf, pool_bytes=int(p.scaling_pool_mib * MiB)), spec,
                              p.scaling_counts, p.scaling_requests, work / "adapters", ceilings,
-                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats, prefetch_loads)
+                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats, prefetch_loads,
+                             stepped_in_turn=not prefetch_loads)
         result["scaling"] = {"host_cache_bytes": int(p.host_cache_mib * MiB),
                              "pool_bytes": int(p.scaling_pool_mib * MiB),
-                             "adapter_loads": loads,
+                             "adapter_loads": loads, "stepped_in_turn": not prefetch_loads,
                              "points": [pt.as_dict() for pt in points]}
         print_scaling(points)
         checks.extend(scaling_checks(points))
@@ -346,7 +388,10 @@ def main(argv: list[str] | None = None) -> dict:
         run_part("scaling", scaling_part, result, log)
     print_checks(checks)
     write_result(result, checks, out, t_start, parts, complete="errors" not in result)
-    print(f"\nroofline: read {ceilings.read_gbps:.1f} GB/s, copy {ceilings.copy_gbps:.1f} GB/s, matmul "
+    by_buffer = ceilings.read_gbps_by_buffer
+    print(f"\nroofline: read {ceilings.read_gbps:.1f} GB/s"
+          + (f" (the median of {len(by_buffer)} buffers: {', '.join(f'{x:.1f}' for x in by_buffer)})" if by_buffer
+             else "") + f", copy {ceilings.copy_gbps:.1f} GB/s, matmul "
           f"{ceilings.matmul_gflops:.0f} GFLOP/s ({ceilings.dtype}, {ceilings.threads} threads; by backend: "
           f"{', '.join(f'{k} {v:.0f}' for k, v in ceilings.matmul_by_backend.items()) or '-'})"
           + (f"; host read {ceilings.host_read_gbps:.1f} GB/s, host to device {ceilings.h2d_gbps:.1f} GB/s"

@@ -17,7 +17,7 @@ seconds since the run started; a request's TTFT is its first token time less its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +64,30 @@ def _sleep_until(t0: float, at_s: float) -> None:
         time.sleep(delay)
 
 
+class OwnClock:
+    """Seconds since it was made, less the time spent paused: a run suspended between its steps while another
+    run steps (serve_interleaved) does not count the other's time."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._paused_at: float | None = None
+
+    def now(self) -> float:
+        return (self._paused_at if self._paused_at is not None else time.perf_counter()) - self._t0
+
+    def pause(self) -> None:
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        assert self._paused_at is not None, "resume() without pause()"
+        self._t0 += time.perf_counter() - self._paused_at
+        self._paused_at = None
+
+    def sleep_until(self, at_s: float) -> None:
+        if (delay := at_s - self.now()) > 0:
+            time.sleep(delay)
+
+
 # -- loraplex -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -82,12 +106,14 @@ class LoraplexSystem:
     """The engine driven as the async engine's thread drives it: add what has arrived, then one step."""
 
     def __init__(self, name: str, engine: EngineCore, use_adapters: bool = True,
-                 adapter_feed: AdapterFeed | None = None):
+                 adapter_feed: AdapterFeed | None = None, feeds_inline: bool = False):
         self.name = name
         self.engine = engine
         self.use_adapters = use_adapters
         # None: adapters are already loaded in the engine under the names the requests give.
         self.adapter_feed = adapter_feed
+        # Whether the feed's prefetch loads on the calling (engine) thread, inside the run's own steps.
+        self.feeds_inline = feeds_inline
 
     def warmup(self) -> None:
         # Once per engine, as the server does at start-up: the largest step's memory is faulted in before
@@ -106,6 +132,12 @@ class LoraplexSystem:
             self.engine.step()
 
     def serve(self, requests: Sequence[BenchRequest]) -> RunResult:
+        return run_steps(self.serve_steps(requests))
+
+    def serve_steps(self, requests: Sequence[BenchRequest]) -> Generator[None, None, RunResult]:
+        """serve() one step at a time: yields after each engine step and returns the RunResult. Its clock
+        stops while it is suspended at a yield, so two runs stepped in turn (serve_interleaved) each
+        count only their own steps and the scheduling between them."""
         eng, feed = self.engine, self.adapter_feed
         pending = sorted(requests, key=lambda r: r.arrival_s)
         recs = {r.id: RequestRecord(r.id, r.arrival_s, r.output_tokens) for r in requests}
@@ -122,9 +154,9 @@ class LoraplexSystem:
                                                            ignore_eos=True), adapter=adapter, request_id=r.id)
 
         i = 0
-        t0 = time.perf_counter()
+        clock = OwnClock()
         while i < len(pending) or loading or eng.has_unfinished():
-            now = time.perf_counter() - t0
+            now = clock.now()
             while i < len(pending) and pending[i].arrival_s <= now:
                 r = pending[i]
                 i += 1
@@ -143,16 +175,16 @@ class LoraplexSystem:
                 loading = waiting
             if not eng.has_unfinished():
                 if loading:  # nothing to step until a load (or the next arrival) comes
-                    timeout = pending[i].arrival_s - (time.perf_counter() - t0) if i < len(pending) else None
+                    timeout = pending[i].arrival_s - clock.now() if i < len(pending) else None
                     wait([f for _, f in loading], timeout=None if timeout is None else max(0.0, timeout),
                          return_when=FIRST_COMPLETED)
                 elif i < len(pending):
-                    _sleep_until(t0, pending[i].arrival_s)
+                    clock.sleep_until(pending[i].arrival_s)
                 continue
-            before = time.perf_counter() - t0
+            before = clock.now()
             tokens_before = eng.num_tokens
             outs = eng.step()
-            now = time.perf_counter() - t0
+            now = clock.now()
             steps_s.append(now - before)
             steps_tokens.append(eng.num_tokens - tokens_before)
             steps_sampled.append(sum(1 for o in outs if o.new_token_ids))
@@ -162,12 +194,51 @@ class LoraplexSystem:
                 if o.finished:
                     rec.token_ids = list(o.token_ids)
             steps_adapters.append(tuple(sorted({a for o in outs if (a := adapter_of.get(o.request_id))})))
+            clock.pause()
+            yield
+            clock.resume()
         wall = max((t for rec in recs.values() for t in rec.token_times[-1:]), default=0.0)
         stats = eng.stats()
         return RunResult(self.name, [recs[r.id] for r in requests], wall,
                          {"steps": len(steps_adapters), "preemptions": stats.num_preemptions,
                           "steps_adapters": steps_adapters, "steps_tokens": steps_tokens,
                           "steps_sampled": steps_sampled, "steps_s": steps_s})
+
+
+def run_steps(steps: Generator[None, None, RunResult]) -> RunResult:
+    """Drive a serve_steps generator to its end without pausing it."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def serve_interleaved(runs: Sequence[tuple[LoraplexSystem, Sequence[BenchRequest]]]) -> list[RunResult]:
+    """The runs stepped in turn, one engine step each, in the order given, until all have finished; each
+    counts only its own work (serve_steps's clock), so a change of the machine's speed lands on all of them
+    alike within a step or two where runs one after the other met it unequally: on a shared AMD EPYC the same
+    offline run's loss to its adapters read 0.017 to 0.142 from runs side by side in time, and 0.070 to 0.095
+    stepped in turn (RESULTS.md, twenty-seventh session). Each run needs an engine of its own (one engine's
+    batch would mix them), and an adapter load must finish inside its own step (a load on another thread
+    would go on while the other runs step, for free)."""
+    engines = [id(system.engine) for system, _ in runs]
+    if len(set(engines)) != len(engines):
+        raise ValueError("runs stepped in turn need an engine each: one engine would batch their requests together")
+    if any(system.adapter_feed is not None and not system.feeds_inline for system, _ in runs):
+        raise ValueError("a run whose adapters load on another thread cannot be stepped in turn: its loads would "
+                         "go on while the other runs step")
+    steps = [system.serve_steps(reqs) for system, reqs in runs]
+    out: list[RunResult | None] = [None] * len(steps)
+    live = list(range(len(steps)))
+    while live:
+        for k in tuple(live):
+            try:
+                next(steps[k])
+            except StopIteration as done:
+                out[k] = done.value
+                live.remove(k)
+    return out  # type: ignore[return-value]
 
 
 # -- transformers, static batches --------------------------------------------------------------------

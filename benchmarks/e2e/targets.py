@@ -51,7 +51,9 @@ class FloorLoss:
     extra_s: float
     predicted_loss: float  # 1 - t_without / (t_without + extra_s), t_without the median no-adapter wall
     measured_loss: float  # the median of pair_losses
-    pair_losses: tuple[float, ...] = ()  # 1 - t_without / t_with of each pair of runs side by side in time
+    pair_losses: tuple[float, ...] = ()  # 1 - t_without / t_with of each pair of runs
+    pairs: str = "side by side in time"  # how the pairs ran: side by side in time (A B B A), or stepped in turn
+    other_losses: tuple[float, ...] = ()  # stepped in turn: the A B B A pairs' losses, for comparison
 
     @property
     def ratio(self) -> float:
@@ -64,17 +66,68 @@ def step_adapter_bytes(cfg: ModelConfig, adapters: Sequence[str], itemsize: int)
 
 
 def floor_loss(with_adapters: RunResult, without_walls: Sequence[float], pair_losses: Sequence[float],
-               requests: Sequence[BenchRequest], cfg: ModelConfig, ceilings: Ceilings, itemsize: int) -> FloorLoss:
+               requests: Sequence[BenchRequest], cfg: ModelConfig, ceilings: Ceilings, itemsize: int,
+               pairs: str = "side by side in time", other_losses: Sequence[float] = ()) -> FloorLoss:
     """What the floor predicts the adapters cost over the no-adapter runs of the same requests (without_walls),
     beside what pairs of runs measured (offline.adapter_pair_losses): the median of the pairs' losses, which one
-    disturbed run moves less than it moves a mean of walls."""
+    disturbed run moves less than it moves a mean of walls. pairs: how the pairs ran (stated with the figure)."""
     nbytes = sum(step_adapter_bytes(cfg, step, itemsize) for step in with_adapters.extra["steps_adapters"])
     flops = sum(2.0 * (len(r.prompt) + r.output_tokens) * adapter_elements(cfg, adapter_rank(r.adapter))
                 for r in requests if r.adapter)
     extra_s = nbytes / (ceilings.read_gbps * 1e9) + flops / (ceilings.matmul_gflops * 1e9)
     t0 = statistics.median(without_walls)
     return FloorLoss(nbytes, flops, extra_s, 1.0 - t0 / (t0 + extra_s), statistics.median(pair_losses),
-                     tuple(pair_losses))
+                     tuple(pair_losses), pairs, tuple(other_losses))
+
+
+@dataclass(frozen=True)
+class PhaseExtra:
+    """What the adapters add to one kind of step (prefill: the steps that ran prompt tokens; decode: the others),
+    measured from pairs of runs stepped in turn, whose steps are the same ones in both runs: the median over the
+    pairs of the phase's step walls with adapters less those without. Beside it the floor's share: the adapter
+    bytes the phase's steps read over the read bandwidth, and the LoRA FLOPs of its tokens over the matmul rate
+    (prefill: the prompt tokens; decode: every output token but the first, which its prompt's last step
+    samples; a decode row inside a prefill step is counted with decode)."""
+
+    phase: str
+    steps: int
+    measured_s: float
+    floor_bytes_s: float
+    floor_flops_s: float
+
+    @property
+    def floor_s(self) -> float:
+        return self.floor_bytes_s + self.floor_flops_s
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "floor_s": self.floor_s}
+
+
+def adapter_extra_by_phase(with_runs: Sequence[RunResult], without_runs: Sequence[RunResult],
+                           requests: Sequence[BenchRequest], cfg: ModelConfig, ceilings: Ceilings,
+                           itemsize: int) -> list[PhaseExtra] | None:
+    """PhaseExtra of prefill and decode from the i-th runs of each (stepped in turn). None where there are no
+    pairs, or a pair's two runs did not take the same steps (then step k of one is not step k of the other)."""
+    pairs = list(zip(with_runs, without_runs))
+    if not pairs or any(a.extra.get("steps_tokens") is None or a.extra["steps_tokens"] != b.extra.get("steps_tokens")
+                        or a.extra["steps_sampled"] != b.extra["steps_sampled"] for a, b in pairs):
+        return None
+    first = pairs[0][0].extra
+    prefill = [t > s for t, s in zip(first["steps_tokens"], first["steps_sampled"])]
+    lora_flops = {True: 0.0, False: 0.0}
+    for r in requests:
+        if r.adapter:
+            per_token = 2.0 * adapter_elements(cfg, adapter_rank(r.adapter))
+            lora_flops[True] += per_token * len(r.prompt)
+            lora_flops[False] += per_token * max(r.output_tokens - 1, 0)
+    out = []
+    for phase, want in (("prefill", True), ("decode", False)):
+        ks = [k for k, p in enumerate(prefill) if p == want]
+        extra = [sum(a.extra["steps_s"][k] - b.extra["steps_s"][k] for k in ks) for a, b in pairs]
+        nbytes = sum(step_adapter_bytes(cfg, first["steps_adapters"][k], itemsize) for k in ks)
+        out.append(PhaseExtra(phase, len(ks), statistics.median(extra), nbytes / (ceilings.read_gbps * 1e9),
+                              lora_flops[want] / (ceilings.matmul_gflops * 1e9)))
+    return out
 
 
 def matmul_floor_s(requests: Sequence[BenchRequest], cfg: ModelConfig, ceilings: Ceilings) -> float:
@@ -161,8 +214,10 @@ def offline_checks(metrics: dict[str, Metrics], base_choice: str, loss: FloorLos
         TargetCheck(f"offline output tok/s, loraplex with adapters / {base_choice} (base model only)",
                     ours.throughput_tok_s / base.throughput_tok_s, 1.0, True),
         TargetCheck("loss against loraplex without adapters / the floor's predicted loss", loss.ratio, 1.3, False,
-                    f"measured {loss.measured_loss:.3f} (the median of {len(loss.pair_losses)} pairs of runs in "
-                    f"the order A B B A: {', '.join(f'{x:.3f}' for x in loss.pair_losses)}), "
+                    f"measured {loss.measured_loss:.3f} (the median of {len(loss.pair_losses)} pairs of runs "
+                    f"{loss.pairs}: {', '.join(f'{x:.3f}' for x in loss.pair_losses)}"
+                    + (f"; pairs side by side in time: {', '.join(f'{x:.3f}' for x in loss.other_losses)}"
+                       if loss.other_losses else "") + "), "
                     f"predicted {loss.predicted_loss:.3f} "
                     f"({loss.extra_bytes / 1e9:.2f} GB read, {loss.extra_flops / 1e9:.1f} GFLOP)"),
     ]

@@ -4,7 +4,9 @@ requests, greedy outputs agree where they must, metrics and counters are sane, f
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from e2e import run as e2e_run  # noqa: E402
 from e2e.ceiling import decode_flops_per_token, linear_params, request_matmul_flops  # noqa: E402
-from e2e.offline import adapter_pair_losses, repeat_name, repeats, typical_run  # noqa: E402
+from e2e.offline import adapter_pair_losses, interleaved, interleaved_name, repeat_name, repeats, \
+    typical_run  # noqa: E402
 from e2e.online import at_rate  # noqa: E402
-from e2e.systems import RunResult  # noqa: E402
+from e2e.systems import LoraplexSystem, OwnClock, RunResult, serve_interleaved  # noqa: E402
+from e2e.targets import adapter_extra_by_phase  # noqa: E402
 from e2e.workload import BenchRequest, adapter_elements, write_random_adapter  # noqa: E402
 from factories import make_tiny_model  # noqa: E402
 from loraplex.kernels import cpu_linear  # noqa: E402
@@ -57,8 +61,10 @@ def test_written_adapter_is_a_valid_peft_adapter(tiny_model, tmp_path):
 
 def test_every_system_serves_every_request_and_outputs_agree(result):
     off = result["offline"]
-    # offline, loraplex with and without adapters run twice (A B B A) for the adapters' loss
-    assert set(off["metrics"]) == SYSTEMS | {"loraplex#2", "loraplex-no-adapters#2"}
+    # offline, loraplex with and without adapters run twice (A B B A), then once stepped in turn, for the
+    # adapters' loss
+    assert set(off["metrics"]) == SYSTEMS | {"loraplex#2", "loraplex-no-adapters#2", "loraplex~1",
+                                             "loraplex-no-adapters~1"}
     n, tokens = result["trace"]["requests"], None
     assert n == e2e_run.PRESETS["tiny"].requests
     for name, m in off["metrics"].items():
@@ -93,6 +99,8 @@ def test_online_replays_arrivals_and_reports_slo(result):
 def test_decode_share_and_roofline(result):
     c = result["ceilings"]
     assert c["read_gbps"] > 0 and c["matmul_gflops"] > 0
+    # The read rate stands for memory as allocated: the median over fresh buffers of each one's best pass.
+    assert len(c["read_gbps_by_buffer"]) == 5 and c["read_gbps"] == statistics.median(c["read_gbps_by_buffer"])
     # The ceiling is the best GEMM here, not MKL's alone (roofline.py); the engine's packed kernel is one.
     rates = c["matmul_by_backend"]
     assert "mm" in rates and c["matmul_gflops"] == max(rates.values())
@@ -111,6 +119,7 @@ def test_decode_share_and_roofline(result):
 def test_scaling_outgrows_the_host_cache(result):
     s = result["scaling"]
     assert s["adapter_loads"] == "engine thread"  # the CPU's default (scaling.py)
+    assert s["stepped_in_turn"] is True  # ... where each sweep's counts step in turn
     points = s["points"]
     assert [p["adapters"] for p in points] == list(e2e_run.PRESETS["tiny"].scaling_counts)
     assert points[0]["relative_throughput"] == 1.0 and points[0]["distinct_used"] == 1
@@ -181,14 +190,22 @@ def test_targets_are_checked_on_the_run_figures(result):
     r = result["offline"]["step_roofline"]["loraplex"]
     assert r["prefill_floor_s"] + r["decode_floor_s"] == pytest.approx(steps_s, rel=0.01)
     loss = targets["loss against loraplex without adapters / the floor's predicted loss"]
-    assert loss["bound"] == 1.3 and "predicted" in loss["detail"] and "A B B A" in loss["detail"]
+    assert loss["bound"] == 1.3 and "predicted" in loss["detail"] and "stepped in turn" in loss["detail"]
     walls = {k: v["wall_s"] for k, v in m.items()}
-    # the median of the pairs' losses, each pair the i-th run with and without adapters (tiny: one block, two pairs)
+    # tiny: one pair stepped in turn carries the measured loss; the A B B A pairs (one block) stand beside it
+    stepped = 1 - walls["loraplex-no-adapters~1"] / walls["loraplex~1"]
+    measured = float(loss["detail"].split("measured ")[1].split(" ")[0])
+    assert measured == pytest.approx(stepped, abs=1e-3)
     pairs = [1 - walls["loraplex-no-adapters"] / walls["loraplex"],
              1 - walls["loraplex-no-adapters#2"] / walls["loraplex#2"]]
-    measured = float(loss["detail"].split("measured ")[1].split(" ")[0])
-    assert measured == pytest.approx(sum(pairs) / 2, abs=1e-3)
-    assert loss["detail"].count(", ") >= 1 and f"{pairs[0]:.3f}" in loss["detail"] and f"{pairs[1]:.3f}" in loss["detail"]
+    side_by_side = loss["detail"].split("pairs side by side in time: ")[1]
+    assert f"{pairs[0]:.3f}" in side_by_side and f"{pairs[1]:.3f}" in side_by_side
+    # Where the adapters' extra time went, by kind of step: the pair took the same steps, every one of them in
+    # one phase or the other, and the floor's share of each is priced from the bytes and FLOPs.
+    phases = {x["phase"]: x for x in result["offline"]["adapter_extra_by_phase"]}
+    assert set(phases) == {"prefill", "decode"}
+    assert phases["prefill"]["steps"] + phases["decode"]["steps"] == result["offline"]["extra"]["loraplex~1"]["steps"]
+    assert all(x["floor_bytes_s"] > 0 and x["floor_flops_s"] > 0 for x in phases.values())
     assert any(n.startswith("online p99 TTFT") for n in targets)
     decode = [t for n, t in targets.items() if n.startswith("decode B=")]
     assert len(decode) == 1 and decode[0]["measured"] == pytest.approx(result["decode"][0]["share_of_compute_ceiling"])
@@ -207,6 +224,75 @@ def test_a_repeated_system_stands_by_its_median_run_and_pairs_compare_neighbours
     assert typical_run({"A": RunResult("A", [], 3.0)}, "A") == "A"
     pairs = adapter_pair_losses(runs, "A", "B")
     assert pairs == pytest.approx([0.2, 1 - 9 / 14, 1 - 12 / 9, 1 - 9.5 / 11])
+
+
+def test_own_clock_leaves_out_the_time_it_was_paused():
+    clock = OwnClock()
+    clock.pause()
+    paused = clock.now()
+    time.sleep(0.05)
+    assert clock.now() == paused  # frozen while paused
+    clock.resume()
+    assert clock.now() < paused + 0.04
+    with pytest.raises(AssertionError):
+        clock.resume()
+
+
+def test_adapter_extra_by_phase_from_pairs_stepped_in_turn(tiny_model):
+    """Two pairs on given steps: one prefill step (4 prompt tokens, 2 sampled), then two decode steps; the
+    measured extra is the median over the pairs of the phase's summed differences."""
+    from e2e.ceiling import Ceilings
+
+    cfg = load_model_config(tiny_model)
+    steps = {"steps_tokens": [4, 2, 1], "steps_sampled": [2, 2, 1], "steps_adapters": [("a-r8",), ("a-r8",), ()]}
+    run = lambda walls: RunResult("x", [], sum(walls), {**steps, "steps_s": walls})  # noqa: E731
+    with_runs = [run([1.0, 0.5, 0.4]), run([1.2, 0.6, 0.4])]
+    without = [run([0.9, 0.4, 0.4]), run([1.0, 0.4, 0.3])]
+    reqs = [BenchRequest("r0", 0.0, (3, 4, 5), "a-r8", 2, 1.0), BenchRequest("r1", 0.0, (3,), None, 2, 1.0)]
+    c = Ceilings("cpu", "float32", read_gbps=10.0, copy_gbps=10.0, matmul_gflops=100.0, threads=1)
+    pre, dec = adapter_extra_by_phase(with_runs, without, reqs, cfg, c, 4)
+    assert (pre.steps, dec.steps) == (1, 2)
+    assert pre.measured_s == pytest.approx((0.1 + 0.2) / 2) and dec.measured_s == pytest.approx((0.1 + 0.3) / 2)
+    per_token = 2.0 * adapter_elements(cfg, 8)
+    assert pre.floor_flops_s == pytest.approx(3 * per_token / 100e9)  # r0's three prompt tokens
+    assert dec.floor_flops_s == pytest.approx(1 * per_token / 100e9)  # r0's second output token
+    one = adapter_elements(cfg, 8) * 4 / 10e9
+    assert pre.floor_bytes_s == pytest.approx(one) and dec.floor_bytes_s == pytest.approx(one)
+    # Pairs whose steps differ cannot be compared step by step.
+    other = RunResult("x", [], 1.0, {**steps, "steps_tokens": [4, 3], "steps_s": [0.5, 0.5]})
+    assert adapter_extra_by_phase([with_runs[0]], [other], reqs, cfg, c, 4) is None
+    assert adapter_extra_by_phase([], [], reqs, cfg, c, 4) is None
+
+
+def test_runs_stepped_in_turn_serve_what_they_serve_alone(tiny_model, tmp_path):
+    """Two engines stepped in turn: each run's greedy tokens and steps are those of the same run alone (neither
+    engine's batch took in the other's requests), and each wall counts its own steps only."""
+    from loraplex.config import EngineConfig
+    from loraplex.engine import EngineCore
+
+    cfg = load_model_config(tiny_model)
+    conf = EngineConfig(model=str(tiny_model), dtype="float32", device="cpu", pool_bytes=1 << 23, max_lora_rank=8)
+    engines = [EngineCore(conf), EngineCore(conf)]
+    for e in engines:
+        e.load_adapter("a-r8", write_random_adapter(tmp_path / "a", cfg, 8, seed=3))
+    rng = torch.Generator().manual_seed(int(time.time()))
+    reqs = [BenchRequest(f"r{k}", 0.0, tuple(int(t) for t in torch.randint(3, cfg.vocab_size, (n,), generator=rng)),
+                         "a-r8" if k % 2 else None, m, 1.0) for k, (n, m) in enumerate([(9, 5), (4, 7), (13, 3)])]
+    systems = [LoraplexSystem("with", engines[0], True), LoraplexSystem("without", engines[1], False)]
+    alone = [s.serve(reqs) for s in systems]
+    t0 = time.perf_counter()
+    both = serve_interleaved([(s, reqs) for s in systems])
+    elapsed = time.perf_counter() - t0
+    for a, b in zip(alone, both):
+        assert [r.token_ids for r in a.records] == [r.token_ids for r in b.records]
+        assert a.extra["steps_tokens"] == b.extra["steps_tokens"]
+        assert all(len(r.token_times) == r.output_tokens for r in b.records)
+    assert [r.token_ids for r in both[0].records] != [r.token_ids for r in both[1].records]  # the adapter acted
+    assert 0 < both[0].wall_s and 0 < both[1].wall_s and both[0].wall_s + both[1].wall_s <= elapsed
+    # One engine for both would batch their requests together: refused before any request goes in.
+    with pytest.raises(ValueError, match="an engine each"):
+        serve_interleaved([(systems[0], reqs), (LoraplexSystem("again", engines[0], False), reqs)])
+    assert not engines[0].has_unfinished()
 
 
 def test_the_finished_run_is_written_complete(result):

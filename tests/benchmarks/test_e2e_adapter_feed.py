@@ -105,6 +105,20 @@ def test_a_failed_load_reaches_the_caller(setup):
         LoraplexSystem("fed", engine, adapter_feed=slow.feed()).serve(reqs)
 
 
+def test_runs_loading_on_another_thread_are_not_stepped_in_turn(setup):
+    # Their loads would go on while the other run steps, for free: refused, nothing started.
+    from e2e.systems import serve_interleaved
+
+    model, folders = setup
+    engines = [_engine(model), _engine(model)]
+    slow = SlowFeed(engines[0], folders, delay_s=0.01)
+    reqs = _requests(engines[0].model_config.vocab_size, [0.0] * 3)
+    with pytest.raises(ValueError, match="another thread"):
+        serve_interleaved([(LoraplexSystem("fed", engines[0], adapter_feed=slow.feed()), reqs),
+                           (LoraplexSystem("plain", engines[1], False), reqs)])
+    assert not slow.load_threads and not engines[0].has_unfinished()
+
+
 def test_scaling_runs_serve_the_same_with_loads_on_either_thread(setup, tmp_path, monkeypatch):
     # scaling.run_one loads on the engine thread (the CPU default) or on the host cache's prefetch thread
     # (the server's way, the GPU default): the same requests give the same tokens either way.
