@@ -87,10 +87,11 @@ PRESETS = {
     # scaling_repeats 4 (2 before; scaling.py takes the median): one disturbed run in a pair moved a point by 20%
     # adapter_blocks 2 (1 before): on an Intel Xeon the same offline run took 5.3 to 8.3 s within minutes, and
     # the loss from one block (two pairs) read 0.22 where six pairs' median read 0.09 (RESULTS.md)
-    # interleaved_pairs 3: on an AMD EPYC pairs side by side in time read the loss at 0.017-0.142, stepped in turn
-    # at 0.070-0.095 (RESULTS.md, twenty-seventh session); a pair costs two offline runs (about 15 s)
+    # interleaved_pairs 3 and adapter_blocks 1 (2 before): on an AMD EPYC pairs side by side in time read the
+    # loss at 0.017-0.142, stepped in turn at 0.070-0.095 (RESULTS.md, twenty-seventh session); a pair costs two
+    # offline runs (about 15 s there), and the run took 610 s with two blocks and three pairs
     "quick": Preset(48, 64, 256, 24, 48, 100, 16, 0.7, 2.0, (1, 10, 100, 1000), 32, 160, 2048, 1024, 64, 8, True,
-                    scaling_repeats=4, adapter_blocks=2, interleaved_pairs=3),
+                    scaling_repeats=4, adapter_blocks=1, interleaved_pairs=3),
     # full: scaling_repeats 2 (1 before): one sweep on an Intel Xeon ran 1000 adapters faster than 1 (181.6 against
     # 191.7 s, RESULTS.md, twenty-sixth session); a mirrored pair cancels a drift and halves a lone disturbance
     # full: adapter_blocks 1 (2 before) beside 2 pairs stepped in turn, which carry the loss: two runs more in all
@@ -365,16 +366,14 @@ def main(argv: list[str] | None = None) -> dict:
         prefetch_loads = args.gpu
         loads = "prefetch thread" if prefetch_loads else "engine thread"
         log(f"scaling: {p.scaling_counts} adapters x {p.scaling_repeats}, {p.scaling_requests} requests, host cache "
-            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB, loads on the {loads}"
-            f"{'' if prefetch_loads else ', the counts stepped in turn'}...")
+            f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB, loads on the {loads}...")
         spec = trace_spec(p, args.seed, 1, p.scaling_requests)
         points = run_scaling(dataclasses.replace(econf, pool_bytes=int(p.scaling_pool_mib * MiB)), spec,
                              p.scaling_counts, p.scaling_requests, work / "adapters", ceilings,
-                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats, prefetch_loads,
-                             stepped_in_turn=not prefetch_loads)
+                             int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats, prefetch_loads)
         result["scaling"] = {"host_cache_bytes": int(p.host_cache_mib * MiB),
                              "pool_bytes": int(p.scaling_pool_mib * MiB),
-                             "adapter_loads": loads, "stepped_in_turn": not prefetch_loads,
+                             "adapter_loads": loads,
                              "points": [pt.as_dict() for pt in points]}
         print_scaling(points)
         checks.extend(scaling_checks(points))

@@ -21,11 +21,6 @@ Each point reports the median of its runs' walls (and every wall): on a shared m
 can be disturbed by a third or more (the AMD EPYC of the ninth session: 4.48 against 3.18 s for the same
 1-adapter run), and the median of four leaves it out where a mean of two took it in half.
 
-With stepped_in_turn (the CPU's default, where the loads run on the engine thread) each sweep builds an
-engine for every N and steps their runs in turn, one engine step each (systems.serve_interleaved): each run's
-wall is the time of its own steps and loads, and a change of the machine's speed lands on every N within a
-step or two of each other instead of on whichever N ran then.
-
 Floor-predicted time of run N = time of run 1 + (extra bytes) / read bandwidth + (extra LoRA FLOPs) /
 matmul rate, where the bytes are those of the distinct adapters each step reads, plus each host-cache load
 and each pool load (one pass over the adapter's bytes each), and the FLOPs are every token's shrink and
@@ -58,7 +53,7 @@ import traces as T
 
 from .ceiling import Ceilings
 from .metrics import summarize
-from .systems import AdapterFeed, LoraplexSystem, RunResult, serve_interleaved
+from .systems import AdapterFeed, LoraplexSystem, RunResult
 from .workload import BenchRequest, adapter_elements, adapter_rank, all_at_once, ensure_adapters, requests_from_trace, \
     used_adapters
 
@@ -143,33 +138,24 @@ def _loaded(adapter: LoraAdapter) -> Future:
     return done
 
 
-@dataclass
-class _Built:
-    """One adapter count's engine behind the server's adapter path, before its run."""
-
-    system: LoraplexSystem
-    store: FolderStore
-    folders: dict[str, Path]
-
-
-def build_one(engine_config: EngineConfig, folders: dict[str, Path], host_cache_bytes: int,
-              prefetch_loads: bool = False) -> _Built:
-    """A fresh engine (nothing resident from another N), its host cache and bridge, warmed up."""
-    engine = EngineCore(engine_config)
+def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folders: dict[str, Path],
+            host_cache_bytes: int, prefetch_loads: bool = False) -> tuple[RunResult, ScalingPoint]:
+    # The previous run's engine (its pool and weights, 1.5 GB at the quick preset) is held by reference cycles
+    # until the garbage collector runs: collected here, not at some allocation inside this run's clock. Left
+    # to chance, its freeing landed in timed runs: one adapter count's four walls spread by up to 0.9 s (Intel
+    # Xeon, 2026-12-04: a 1000-adapter run at 4.99 s whose 25 loads took 0.36 s against 0.13-0.16 s in the
+    # others, while 3 GB of huge pages went back); collected first, they spread by 0.11-0.14 s.
+    gc.collect()
+    engine = EngineCore(engine_config)  # fresh: nothing resident from another N
     store = FolderStore(engine, folders, host_cache_bytes)
     bridge = EngineAdapterBridge(engine, store)
     # The feed's prefetch runs where the request arrives, on the engine thread: there store.get loads it now.
     start = (lambda name: bridge.prefetch(store.refs[name])) if prefetch_loads else (
         lambda name: _loaded(store.get(store.refs[name])))
     feed = AdapterFeed(prefetch=start, install=lambda name, decoded: bridge.install(store.refs[name], decoded))
-    system = LoraplexSystem("loraplex", engine, True, feed, feeds_inline=not prefetch_loads)
+    system = LoraplexSystem("loraplex", engine, True, feed)
     system.warmup()
-    return _Built(system, store, folders)
-
-
-def point_of(built: _Built, run: RunResult, requests: Sequence[BenchRequest]) -> ScalingPoint:
-    """The run's throughput, cache and pool counts, and what the floor prices (adapters=0: the caller's N)."""
-    engine, store, folders = built.system.engine, built.store, built.folders
+    run = system.serve(requests)
     m = summarize(run)
     cfg = engine.model_config
     hc = store.cache.stats()
@@ -191,35 +177,18 @@ def point_of(built: _Built, run: RunResult, requests: Sequence[BenchRequest]) ->
         adapter_pages_at_end=pool.adapter_pages, step_adapter_bytes=step_bytes, load_bytes=load_bytes,
         lora_flops=lora_flops, pool_load_bytes=pool_load_bytes)
     store.cache.close()
-    return point
-
-
-def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folders: dict[str, Path],
-            host_cache_bytes: int, prefetch_loads: bool = False) -> tuple[RunResult, ScalingPoint]:
-    # The previous run's engine (its pool and weights, 1.5 GB at the quick preset) is held by reference cycles
-    # until the garbage collector runs: collected here, not at some allocation inside this run's clock. Left
-    # to chance, its freeing landed in timed runs: one adapter count's four walls spread by up to 0.9 s (Intel
-    # Xeon, 2026-12-04: a 1000-adapter run at 4.99 s whose 25 loads took 0.36 s against 0.13-0.16 s in the
-    # others, while 3 GB of huge pages went back); collected first, they spread by 0.11-0.14 s.
-    gc.collect()
-    built = build_one(engine_config, folders, host_cache_bytes, prefetch_loads)
-    run = built.system.serve(requests)
-    return run, point_of(built, run, requests)
+    return run, point
 
 
 def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence[int], num_requests: int,
                 adapter_root: Path, ceilings: Ceilings, host_cache_bytes: int, seed: int = 0,
-                log=print, repeats: int = 1, prefetch_loads: bool = False,
-                stepped_in_turn: bool = False) -> list[ScalingPoint]:
+                log=print, repeats: int = 1, prefetch_loads: bool = False) -> list[ScalingPoint]:
     """The first `num_requests` requests of `spec`'s trace regenerated with each adapter count, the sweep
-    run `repeats` times in alternating order (see the module's docstring for prefetch_loads). stepped_in_turn
-    (not with prefetch_loads): each sweep's runs stepped in turn instead, an engine each (all of them held at
-    once), the count that steps first alternating the same way."""
-    if stepped_in_turn and prefetch_loads:
-        raise ValueError("runs whose adapters load on the prefetch thread cannot be stepped in turn")
+    run `repeats` times in alternating order (see the module's docstring for prefetch_loads)."""
+    runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
     model_cfg = None
-    work: dict[int, tuple[list[BenchRequest], dict[str, Path]]] = {}
-    for n in counts:
+    order = [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
+    for n in order:
         trace = T.generate(dataclasses.replace(spec, num_adapters=n))[:num_requests]
         if model_cfg is None:
             from loraplex.models.config import load_model_config
@@ -227,33 +196,15 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
             model_cfg = load_model_config(resolve_model_path(engine_config.model, engine_config.cache_dir))
         reqs = all_at_once(requests_from_trace(trace, model_cfg.vocab_size, seed,
                                                max_len=model_cfg.max_model_len))
-        work[n] = (reqs, ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed))
-
-    def logged(n: int, point: ScalingPoint) -> ScalingPoint:
+        folders = ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed)
+        log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
+        _, point = run_one(engine_config, reqs, folders, host_cache_bytes, prefetch_loads)
         point = dataclasses.replace(point, adapters=n)
         hc = point.host_cache
-        log(f"    {n} adapters: {point.wall_s:.1f} s, host cache {hc['hits']} hits / {hc['joined']} joined / "
-            f"{hc['misses']} misses / {hc['evictions']} evictions, pool {point.pool_loads} loads / "
+        log(f"    {point.wall_s:.1f} s, host cache {hc['hits']} hits / {hc['joined']} joined / {hc['misses']} "
+            f"misses / {hc['evictions']} evictions, pool {point.pool_loads} loads / "
             f"{point.pool_evictions} evictions")
-        return point
-
-    runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
-    for r in range(repeats):
-        order = list(counts) if r % 2 == 0 else list(reversed(counts))
-        if stepped_in_turn:
-            log(f"  sweep {r + 1}: {', '.join(f'{n} ({len(work[n][1])} used)' for n in order)} adapters stepped in "
-                f"turn...")
-            gc.collect()  # the previous sweep's engines (see run_one)
-            built = [build_one(engine_config, work[n][1], host_cache_bytes) for n in order]
-            done = serve_interleaved([(b.system, work[n][0]) for b, n in zip(built, order)])
-            for b, n, run in zip(built, order, done):
-                runs[n].append(logged(n, point_of(b, run, work[n][0])))
-            built = done = None
-            continue
-        for n in order:
-            reqs, folders = work[n]
-            log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
-            runs[n].append(logged(n, run_one(engine_config, reqs, folders, host_cache_bytes, prefetch_loads)[1]))
+        runs[n].append(point)
     return with_predictions([_median_point(runs[n]) for n in counts], ceilings)
 
 

@@ -106,14 +106,12 @@ class LoraplexSystem:
     """The engine driven as the async engine's thread drives it: add what has arrived, then one step."""
 
     def __init__(self, name: str, engine: EngineCore, use_adapters: bool = True,
-                 adapter_feed: AdapterFeed | None = None, feeds_inline: bool = False):
+                 adapter_feed: AdapterFeed | None = None):
         self.name = name
         self.engine = engine
         self.use_adapters = use_adapters
         # None: adapters are already loaded in the engine under the names the requests give.
         self.adapter_feed = adapter_feed
-        # Whether the feed's prefetch loads on the calling (engine) thread, inside the run's own steps.
-        self.feeds_inline = feeds_inline
 
     def warmup(self) -> None:
         # Once per engine, as the server does at start-up: the largest step's memory is faulted in before
@@ -220,14 +218,14 @@ def serve_interleaved(runs: Sequence[tuple[LoraplexSystem, Sequence[BenchRequest
     alike within a step or two where runs one after the other met it unequally: on a shared AMD EPYC the same
     offline run's loss to its adapters read 0.017 to 0.142 from runs side by side in time, and 0.070 to 0.095
     stepped in turn (RESULTS.md, twenty-seventh session). Each run needs an engine of its own (one engine's
-    batch would mix them), and an adapter load must finish inside its own step (a load on another thread
-    would go on while the other runs step, for free)."""
+    batch would mix them) with its adapters loaded: a feed may load on another thread, which would go on
+    while the other runs step, for free."""
     engines = [id(system.engine) for system, _ in runs]
     if len(set(engines)) != len(engines):
         raise ValueError("runs stepped in turn need an engine each: one engine would batch their requests together")
-    if any(system.adapter_feed is not None and not system.feeds_inline for system, _ in runs):
-        raise ValueError("a run whose adapters load on another thread cannot be stepped in turn: its loads would "
-                         "go on while the other runs step")
+    if any(system.adapter_feed is not None for system, _ in runs):
+        raise ValueError("a run fed adapters as requests arrive cannot be stepped in turn: its loads may go on "
+                         "another thread while the other runs step")
     steps = [system.serve_steps(reqs) for system, reqs in runs]
     out: list[RunResult | None] = [None] * len(steps)
     live = list(range(len(steps)))
