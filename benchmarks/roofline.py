@@ -44,7 +44,8 @@ def measure_roofline(mib: int = 512, n: int = 2048, reps: int = 5, buffers: int 
     """The read and copy rates are each the median over `buffers` fresh allocations of `mib` MiB of the best of
     `reps` passes over it. On a shared AMD EPYC (Zen 4) VM one allocation read at 31-36 GB/s and the next at
     47-55 within seconds, and the best pass over one buffer kept whichever it drew (RESULTS.md, twenty-seventh
-    session): the engine's own memory draws the same way, so the median stands for memory as allocated."""
+    session); the engine's weights, pool and K/V cache are allocations like these, so the median stands for
+    memory as a process gets it."""
     reads, copies = [], []
     for _ in range(buffers):
         x = torch.ones(mib * (1 << 20) // 4)
