@@ -102,13 +102,18 @@ def serve_all(systems: Systems, requests: Sequence[BenchRequest], base_candidate
     return runs
 
 
-def repeats(runs: dict[str, RunResult], name: str) -> list[RunResult]:
-    """A system's runs in the order they ran."""
+def _numbered(runs: dict[str, RunResult], name: str, naming) -> list[RunResult]:
+    """A system's runs named naming(name, 1), naming(name, 2), ..., in the order they ran."""
     out, i = [], 1
-    while (n := repeat_name(name, i)) in runs:
+    while (n := naming(name, i)) in runs:
         out.append(runs[n])
         i += 1
     return out
+
+
+def repeats(runs: dict[str, RunResult], name: str) -> list[RunResult]:
+    """A system's runs in the order they ran."""
+    return _numbered(runs, name, repeat_name)
 
 
 def typical_run(runs: dict[str, RunResult], name: str) -> str:
@@ -121,11 +126,7 @@ def typical_run(runs: dict[str, RunResult], name: str) -> str:
 
 def interleaved(runs: dict[str, RunResult], name: str) -> list[RunResult]:
     """A system's runs stepped in turn with the other's (serve_pairs_interleaved), in the order they ran."""
-    out, i = [], 1
-    while (n := interleaved_name(name, i)) in runs:
-        out.append(runs[n])
-        i += 1
-    return out
+    return _numbered(runs, name, interleaved_name)
 
 
 def adapter_pair_losses(runs: dict[str, RunResult], with_name: str, without_name: str,

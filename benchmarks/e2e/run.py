@@ -137,8 +137,8 @@ def adapter_loss(offline: ModeResult, requests: list, cfg, ceilings, itemsize: i
     A B B A pairs' losses beside them), else from the A B B A pairs, each compared within a minute or two."""
     runs, a, b = offline.runs, "loraplex", "loraplex-no-adapters"
     block_losses = adapter_pair_losses(runs, a, b)
-    if interleaved(runs, a):
-        return floor_loss(interleaved(runs, a)[0], [r.wall_s for r in interleaved(runs, b)],
+    if stepped := interleaved(runs, a):
+        return floor_loss(stepped[0], [r.wall_s for r in interleaved(runs, b)],
                           adapter_pair_losses(runs, a, b, stepped_in_turn=True), requests, cfg, ceilings, itemsize,
                           "stepped in turn", block_losses)
     return floor_loss(runs[a], [r.wall_s for r in repeats(runs, b)], block_losses, requests, cfg, ceilings, itemsize)
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     requests = requests_from_trace(trace, cfg.vocab_size, args.seed, max_len=engine.max_model_len)
     adapters = ensure_adapters(work / "adapters", cfg, used_adapters(requests), args.seed)
     for name, path in adapters.items():
-        for e in {id(engine): engine, id(engine_b): engine_b}.values():
+        for e in [engine] if engine_b is engine else [engine, engine_b]:
             e.load_adapter(name, path)
     hf_base, hf_peft = load_hf(engine.model_path, dtype, device, adapters)
     base_candidates = [HFStaticBatches("transformers-static", hf_base, p.peft_batch, use_adapters=False)]

@@ -80,6 +80,12 @@ def floor_loss(with_adapters: RunResult, without_walls: Sequence[float], pair_lo
                      tuple(pair_losses), pairs, tuple(other_losses))
 
 
+def prefill_steps(run: RunResult) -> list[bool]:
+    """Whether each of the run's steps ran prompt tokens: a decode-only step samples one token per token it runs, a
+    step with prompt tokens runs more than it samples."""
+    return [t > s for t, s in zip(run.extra["steps_tokens"], run.extra["steps_sampled"])]
+
+
 @dataclass(frozen=True)
 class PhaseExtra:
     """What the adapters add to one kind of step (prefill: the steps that ran prompt tokens; decode: the others),
@@ -113,7 +119,7 @@ def adapter_extra_by_phase(with_runs: Sequence[RunResult], without_runs: Sequenc
                         or a.extra["steps_sampled"] != b.extra["steps_sampled"] for a, b in pairs):
         return None
     first = pairs[0][0].extra
-    prefill = [t > s for t, s in zip(first["steps_tokens"], first["steps_sampled"])]
+    prefill = prefill_steps(pairs[0][0])
     lora_flops = {True: 0.0, False: 0.0}
     for r in requests:
         if r.adapter:
@@ -185,8 +191,7 @@ def step_roofline(run: RunResult, cfg: ModelConfig, ceilings: Ceilings, itemsize
     floors, walls = step_floors(run, cfg, ceilings, itemsize), run.extra.get("steps_s")
     if floors is None or walls is None:
         return None
-    # A decode-only step samples one token per token it runs; a step with prompt tokens runs more than it samples.
-    prefill = [t > s for t, s in zip(run.extra["steps_tokens"], run.extra["steps_sampled"])]
+    prefill = prefill_steps(run)
     pick = lambda xs, want: [x for x, p in zip(xs, prefill) if p == want]  # noqa: E731
     return StepRoofline(sum(prefill), sum(pick(walls, True)), sum(pick(floors, True)),
                         len(prefill) - sum(prefill), sum(pick(walls, False)), sum(pick(floors, False)))
