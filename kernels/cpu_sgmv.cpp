@@ -830,17 +830,28 @@ void shrink_segments(torch::Tensor s, torch::Tensor x, torch::Tensor pool_rows, 
   const float* xp = x.data_ptr<float>();
   const int64_t ss = s.stride(0), xs = x.stride(0);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> spill;
+    // A^T's row tables of the segment in hand, one per module: a thread's items are consecutive, so the
+    // items of one segment (a 128-token prompt is three) share them rather than each building its own (a
+    // table is `in` pointers and a heap allocation, beside 4 x 12 tokens' FMAs over it). One layer's shrinks,
+    // 16 x 128 tokens, AMD EPYC Zen 4, 2 threads, builds alternating 150 times: rank 8 1.44 -> 1.38 ms, rank
+    // 16 2.04 -> 1.96 (medians); 48 x 40 tokens (one item a segment) 2.14 either way (RESULTS.md,
+    // twenty-eighth session).
+    std::vector<std::vector<float>> spill(nm);
+    std::vector<std::vector<const float*>> arows(nm);
+    int64_t tables_seg = -1;
     alignas(64) float buf[LMR][MAX_RANK];
     for (int64_t n = lo; n < hi; ++n) {
       const Item& it = items[n];
       const Pages p = tb.pages_of(it.seg);
+      const bool fresh = it.seg != tables_seg;
+      tables_seg = it.seg;
       for (int64_t i = 0; i < nm; ++i) {
         const int32_t* l = tb.entry(it.seg, layer, modules[i]);
         if (l[0] == 0) continue;
         const int rank = l[0];
         const float scale = tb.scale(it.seg, layer, modules[i]);
-        const std::vector<const float*> arow = a_rows(p, static_cast<int64_t>(l[1]) * tb.d, rank, in, spill);
+        if (fresh) arows[i] = a_rows(p, static_cast<int64_t>(l[1]) * tb.d, rank, in, spill[i]);
+        const std::vector<const float*>& arow = arows[i];
         in_blocks(it.nt, [&](int64_t t, int64_t rows) {
           SHRINK_BLOCKS[rows - 1](xp + (it.t0 + t) * xs, xs, arow.data(), in, rank, scale, buf);
           for (int64_t r = 0; r < rows; ++r)
