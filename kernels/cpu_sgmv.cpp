@@ -834,7 +834,7 @@ void shrink_segments(torch::Tensor s, torch::Tensor x, torch::Tensor pool_rows, 
     // items of one segment (a 128-token prompt is three) share them rather than each building its own (a
     // table is `in` pointers and a heap allocation, beside 4 x 12 tokens' FMAs over it). One layer's shrinks,
     // 16 x 128 tokens, AMD EPYC Zen 4, 2 threads, builds alternating 150 times: rank 8 1.44 -> 1.38 ms, rank
-    // 16 2.04 -> 1.96 (medians); 48 x 40 tokens (one item a segment) 2.14 either way (RESULTS.md,
+    // 16 2.04 -> 1.96 (medians); 48 x 40 tokens (one item a segment) 2.14 -> 2.15, no change (RESULTS.md,
     // twenty-eighth session).
     std::vector<std::vector<float>> spill(nm);
     std::vector<std::vector<const float*>> arows(nm);
