@@ -582,13 +582,14 @@ inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict
     }
 }
 
-// The AVX2 build's decode expand: y_t[:out] += s_t @ B^T for NT tokens in sweeps over KB of B^T's rows at a
-// time, each pool row of those rows read front to back, y's NT rows (in L1) loaded and stored once per KB
-// rows. few_expand's column chunks walk B^T's rank rows in strides, and on the AMD EPYC (Zen 1) dev CPU
-// they cost about twice the read of their bytes: one B=64 decode step's LoRA (30 adapters of ranks 8/16, 2-3
-// tokens each, 30 layers; benchmarks/cpu_lora_decode_bench.py, builds alternating in one process, 2
-// threads), ms: 48.0 -> 44.4 and 43.4 -> 39.8 with KB = 4; in another run 51.7 -> 47.6 (KB 4), 48.3 (KB 2),
-// 48.4 (KB 1), 47.0 (KB 4 with the next KB rows prefetched).
+// The decode expand where expand_by_rows holds (the AVX2 build; AMD CPUs): y_t[:out] += s_t @ B^T for NT
+// tokens in sweeps over KB of B^T's rows at a time, each pool row of those rows read front to back, y's NT
+// rows (in L1) loaded and stored once per KB rows. few_expand's column chunks walk B^T's rank rows in
+// strides, and on the AMD EPYC (Zen 1) dev CPU they cost about twice the read of their bytes: one B=64
+// decode step's LoRA (30 adapters of ranks 8/16, 2-3 tokens each, 30 layers;
+// benchmarks/cpu_lora_decode_bench.py, builds alternating in one process, 2 threads), ms: 48.0 -> 44.4 and
+// 43.4 -> 39.8 with KB = 4; in another run 51.7 -> 47.6 (KB 4), 48.3 (KB 2), 48.4 (KB 1), 47.0 (KB 4 with
+// the next KB rows prefetched).
 template <int NT, int KB>
 inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__restrict s)[MAX_RANK],
                             const float* const* rows, int rank, int64_t out, int64_t d) {
@@ -610,6 +611,26 @@ inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__res
         }
       }
     }
+}
+
+// Whether the decode expand sweeps B^T's rows (few_expand_rows) rather than column chunks down them
+// (few_expand): the AVX2 build always; the AVX-512 build on AMD CPUs. One decode step's LoRA
+// (benchmarks/cpu_lora_decode_bench.py --ranks 8 16, builds alternating in one process, 25th-percentile
+// ms, AMD EPYC Zen 5, 2 threads; RESULTS.md, twenty-ninth session): 48 tokens over 30 adapters 12.34 ->
+// 11.78, 64 / 30 12.57 -> 11.94, 12 / 9 3.41 -> 3.14, 5 / 4 1.41 -> 1.33. Intel Xeons keep the column
+// chunks, measured there at 21-22 GB/s (eighth session); the row sweep was not measured on one.
+// LORAPLEX_SGMV_EXPAND_ROWS / _COLUMNS force one (tests/kernels/test_cpu_sgmv.py builds the other vendor's).
+bool expand_by_rows() {
+#if defined(LORAPLEX_SGMV_EXPAND_ROWS)
+  return true;
+#elif defined(LORAPLEX_SGMV_EXPAND_COLUMNS)
+  return false;
+#elif defined(__AVX512F__)
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return true;
+#endif
 }
 
 // Column vectors per expand pass: 4 where D holds them (and the registers do), else 2, else 1.
@@ -636,7 +657,7 @@ void few_block_n(float* y, int64_t ys, const float* x, int64_t xs, const Pages& 
       }
   }
   const std::vector<const float*> rows = b_rows(pg, b_elem, rank * out / d, d);
-  if constexpr (VEC != 16) {
+  if (expand_by_rows()) {
     few_expand_rows<NT, 4>(y, ys, s, rows.data(), rank, out, d);
     return;
   }

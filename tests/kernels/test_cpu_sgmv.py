@@ -120,6 +120,26 @@ def test_avx2_build_matches_float64(ext_avx2, spec):
     _check(spec, ext=ext_avx2)
 
 
+@pytest.fixture(scope="module")
+def ext_other_expand():
+    """The AVX-512 kernel built with the decode expand this CPU's build does not pick (expand_by_rows: B^T's rows
+    on AMD CPUs, column chunks on the others), so that each machine checks both."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    if " avx512f" not in text:
+        pytest.skip("the two decode expands are the AVX-512 build's; the AVX2 build has one")
+    force = "COLUMNS" if "AuthenticAMD" in text else "ROWS"
+    src = Path(cpu_sgmv.__file__).with_name("cpu_sgmv.cpp")
+    return cpu_build.compile_source(src, f"test_expand_{force.lower()}_cpu_sgmv",
+                                    extra_cflags=[f"-DLORAPLEX_SGMV_EXPAND_{force}"])
+
+
+@FAST
+@given(spec=sgmv_specs(d_choices=(16, 32, 64), max_requests=24, max_len=6, rank_choices=(8, 16, 32, 64)))
+def test_other_expand_build_decode_items(ext_other_expand, spec):
+    _check(spec, column_slice=True, ext=ext_other_expand)
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=sgmv_specs())
 def test_float16_goes_to_the_torch_path_and_still_matches(spec):
