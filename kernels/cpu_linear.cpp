@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -148,12 +150,24 @@ constexpr std::array<std::array<BlockFn, MR>, 2> BLOCKS = {block_table<2>(std::m
 // an AMD EPYC Zen 4 (AVX-512), all layers' projections and the LM head at M rows, weights streaming from
 // memory, the two alternating in one process (RESULTS.md, twenty-fourth session): t0 against t1 at 24 / 32 /
 // 48 / 64 / 512 rows 0.935 / 0.924 / 0.944 / 0.941 / 0.983 of the time, but 1.02-1.04 at 1 / 8 / 16 rows,
-// where the step is bound by the weights' stream rather than the FMAs. Intel Xeons keep t1 throughout:
-// it is the hint that was measured there (t0 was not).
+// where the step is bound by the weights' stream rather than the FMAs. On an AMD EPYC Zen 5 (family 26) t0
+// is faster from two blocks a panel on, 13-23 rows (benchmarks/cpu_linear_bench.py --stream with the two
+// builds, RESULTS.md, twenty-ninth session): 13 / 16 / 18 / 22 rows 15.4 -> 14.5, 15.5 -> 13.6, 15.0 ->
+// 13.7, 15.3 -> 14.4 ms, and 16 / 20 rows 16.3 -> 14.2, 14.6 -> 13.5 in another run; 8 and 12 rows (one
+// block) were not changed by it. Intel Xeons keep t1 throughout: it is the hint that was measured there (t0
+// was not).
+int cpu_family() {  // x86 family with the extended bits: 25 a Zen 3/4, 26 a Zen 5; 0 if cpuid says nothing
+  unsigned a, b, c, d;
+  if (__get_cpuid(1, &a, &b, &c, &d) == 0) return 0;
+  const int base = (a >> 8) & 0xf;
+  return base == 0xf ? base + static_cast<int>((a >> 20) & 0xff) : base;
+}
+
 bool l1_prefetch(int64_t M) {
 #if defined(__AVX512F__)
   static const bool amd = __builtin_cpu_is("amd");
-  return amd && M >= 2 * MR;
+  static const bool zen5 = amd && cpu_family() >= 26;
+  return amd && (M >= 2 * MR || (zen5 && M > MR));
 #else
   return false;  // measured only on AVX-512 CPUs
 #endif
