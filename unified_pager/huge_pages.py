@@ -36,3 +36,16 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+def huge_page_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:  # [numel], untouched: fill it next
+    """A flat CPU buffer that starts on a 2 MiB boundary, advised (advise_huge_pages) before anything touches
+    it: every whole 2 MiB page of it can be a huge one, where a tensor of its own gets only the aligned pages
+    inside it. Costs at most 2 MiB of address space more than numel elements. A buffer under glibc's mmap
+    threshold (up to 32 MiB) may reuse heap memory already touched, which the advice does not turn huge."""
+    slack = HUGE_PAGE // torch.empty(0, dtype=dtype).element_size()
+    raw = torch.empty(numel + slack, dtype=dtype)
+    offset = (-raw.data_ptr() % HUGE_PAGE) // raw.element_size()
+    buf = raw[offset:offset + numel]
+    advise_huge_pages(buf)
+    return buf

@@ -9,7 +9,7 @@ LoRA deltas are added per token segment by the SGMV kernels, reading adapter row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -208,6 +208,11 @@ class LlamaModel:
                     down_bias=take(p + "mlp.down_proj.bias") if mlp_bias else None,
                 )
             )
+        if self.layout == "packed":  # every packed weight in one buffer of 2 MiB pages
+            fields = ("qkv", "o", "gate_up", "down")
+            moved = cpu_gemm.on_huge_pages([getattr(lw, f) for lw in self.layers for f in fields] + [self.lm_head])
+            self.lm_head = moved.pop()
+            self.layers = [replace(lw, **dict(zip(fields, moved[i * 4:i * 4 + 4]))) for i, lw in enumerate(self.layers)]
         self.qkv_splits = (cfg.q_size, cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
         # Which LoRA module owns which output columns of each fused projection (the GEMM's LoRA epilogue).
         h, i2 = cfg.hidden_size, 2 * cfg.intermediate_size

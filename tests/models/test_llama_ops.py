@@ -84,6 +84,19 @@ def test_packed_linear_matches_float64(bias, layout):
     assert ((got.double() - ref).abs() <= 1e-5 * bound).all(), (t, k, n)
 
 
+def test_packed_weights_moved_onto_huge_pages_compute_the_same():
+    require_built("cpu_linear", cpu_linear.available(), "packed GEMM")
+    ws = [cpu_gemm.pack(torch.randn(n, k), "packed") for n, k in ((96, 40), (7, 300), (1024, 576))]
+    moved = cpu_gemm.on_huge_pages(ws)
+    storage = moved[0].panels.untyped_storage().data_ptr()
+    assert moved[0].panels.data_ptr() % (2 << 20) == 0  # the buffer starts on a 2 MiB page
+    for w, m in zip(ws, moved):
+        assert m.out_features == w.out_features and torch.equal(m.panels, w.panels)
+        assert m.panels.untyped_storage().data_ptr() == storage  # one buffer for all
+        x = torch.randn(5, w.panels.shape[1])
+        assert torch.equal(linear(x, m, None, "packed"), linear(x, w, None, "packed"))
+
+
 # -- cpu_gemm.choose: which layout a gemm setting gives ---------------------------------------------------
 
 

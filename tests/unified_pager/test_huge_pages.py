@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.unified_pager.huge_pages import HUGE_PAGE, advise_huge_pages
+from loraplex.unified_pager.huge_pages import HUGE_PAGE, advise_huge_pages, huge_page_buffer
 from loraplex.unified_pager.pool import PagePool
 from pager_testkit import TINY, geometry_with_pages
 
@@ -48,6 +48,17 @@ def test_advised_memory_is_backed_by_huge_pages_once_touched():
     assert advise_huge_pages(t)
     t.zero_()
     assert _huge_kib_of(t.data_ptr() + 32 * HUGE_PAGE) > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() in (None, "never"),
+                    reason="transparent huge pages are not available here")
+def test_huge_page_buffer_starts_on_a_huge_page_and_gets_them():
+    # 40 MiB and a bit: above glibc's largest mmap threshold (32 MiB), so fresh pages, as a model's weights get
+    buf = huge_page_buffer(20 * HUGE_PAGE // 4 + 123, torch.float32)
+    assert buf.numel() == 20 * HUGE_PAGE // 4 + 123 and buf.is_contiguous()
+    assert buf.data_ptr() % HUGE_PAGE == 0
+    buf.fill_(1.0)
+    assert _huge_kib_of(buf.data_ptr()) > 0
 
 
 def test_pool_is_zeroed_after_the_advice():
