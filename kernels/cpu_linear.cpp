@@ -17,7 +17,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cpuid.h>
+#if defined(__AVX512F__)
+#include <cpuid.h>  // x86 only, as AVX-512 is: cpu_family
+#endif
 
 #include <algorithm>
 #include <array>
@@ -156,15 +158,15 @@ constexpr std::array<std::array<BlockFn, MR>, 2> BLOCKS = {block_table<2>(std::m
 // 13.7, 15.3 -> 14.4 ms, and 16 / 20 rows 16.3 -> 14.2, 14.6 -> 13.5 in another run; 8 and 12 rows (one
 // block) were not changed by it. Intel Xeons keep t1 throughout: it is the hint that was measured there (t0
 // was not).
-int cpu_family() {  // x86 family with the extended bits: 25 a Zen 3/4, 26 a Zen 5; 0 if cpuid says nothing
-  unsigned a, b, c, d;
-  if (__get_cpuid(1, &a, &b, &c, &d) == 0) return 0;
-  const int base = (a >> 8) & 0xf;
-  return base == 0xf ? base + static_cast<int>((a >> 20) & 0xff) : base;
-}
-
 bool l1_prefetch(int64_t M) {
 #if defined(__AVX512F__)
+  // x86 family with the extended bits: 25 a Zen 3/4, 26 a Zen 5; 0 if cpuid says nothing
+  const auto cpu_family = [] {
+    unsigned a, b, c, d;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return 0;
+    const int base = (a >> 8) & 0xf;
+    return base == 0xf ? base + static_cast<int>((a >> 20) & 0xff) : base;
+  };
   static const bool amd = __builtin_cpu_is("amd");
   static const bool zen5 = amd && cpu_family() >= 26;
   return amd && (M >= 2 * MR || (zen5 && M > MR));
