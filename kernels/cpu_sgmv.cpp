@@ -619,7 +619,7 @@ inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__res
 // ms, AMD EPYC Zen 5, 2 threads; RESULTS.md, twenty-ninth session): 48 tokens over 30 adapters 12.34 ->
 // 11.78, 64 / 30 12.57 -> 11.94, 12 / 9 3.41 -> 3.14, 5 / 4 1.41 -> 1.33. Intel Xeons keep the column
 // chunks, measured there at 21-22 GB/s (eighth session); the row sweep was not measured on one.
-// LORAPLEX_SGMV_EXPAND_ROWS / _COLUMNS force one (tests/kernels/test_cpu_sgmv.py builds the other vendor's).
+// LORAPLEX_SGMV_EXPAND_ROWS / _COLUMNS force one (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
 bool expand_by_rows() {
 #if defined(LORAPLEX_SGMV_EXPAND_ROWS)
   return true;
@@ -895,4 +895,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "takes the decode kernels");
   m.def("long_ok", &long_ok, "whether segments longer than max_len with this rank and pool row width D take the "
         "blocked path (else they are left to the caller)");
+  m.def("expand_by_rows", &expand_by_rows, "whether this build's decode expand sweeps B^T's rows (else column "
+        "chunks down them)");
 }

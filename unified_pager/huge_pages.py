@@ -43,7 +43,7 @@ def huge_page_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:  # [numel]
     it: every whole 2 MiB page of it can be a huge one, where a tensor of its own gets only the aligned pages
     inside it. Costs at most 2 MiB of address space more than numel elements. A buffer under glibc's mmap
     threshold (up to 32 MiB) may reuse heap memory already touched, which the advice does not turn huge."""
-    slack = HUGE_PAGE // torch.empty(0, dtype=dtype).element_size()
+    slack = HUGE_PAGE // dtype.itemsize
     raw = torch.empty(numel + slack, dtype=dtype)
     offset = (-raw.data_ptr() % HUGE_PAGE) // raw.element_size()
     buf = raw[offset:offset + numel]

@@ -212,7 +212,8 @@ class LlamaModel:
             fields = ("qkv", "o", "gate_up", "down")
             moved = cpu_gemm.on_huge_pages([getattr(lw, f) for lw in self.layers for f in fields] + [self.lm_head])
             self.lm_head = moved.pop()
-            self.layers = [replace(lw, **dict(zip(fields, moved[i * 4:i * 4 + 4]))) for i, lw in enumerate(self.layers)]
+            n = len(fields)
+            self.layers = [replace(lw, **dict(zip(fields, moved[i * n:(i + 1) * n]))) for i, lw in enumerate(self.layers)]
         self.qkv_splits = (cfg.q_size, cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
         # Which LoRA module owns which output columns of each fused projection (the GEMM's LoRA epilogue).
         h, i2 = cfg.hidden_size, 2 * cfg.intermediate_size
