@@ -326,27 +326,42 @@ inline void shrink_k(T (&acc)[R][NV], const float* __restrict x, int64_t xs, con
 // the same sums either way (benchmarks/cpu_lora_prefill_bench.py --shrink-baseline-source; RESULTS.md).
 constexpr int SHRINK_KU = VEC == 16 ? 4 : 1;
 constexpr bool SHRINK_PREFETCH_X = VEC == 8;
+// Accumulator sets of a one-vector rank chunk (shrink_chunk): 2 on AVX2, where one set is 6 registers; the
+// AVX-512 build's 12 rows already keep 12 chains.
+constexpr int SHRINK_SETS_1 = VEC == 8 ? 2 : 1;
 
 // s[r][c0 : c0 + NV*w] = x_r @ A^T[:, c0 : ...] for R tokens (w = the vector width of T); arow[k]: row k of A^T.
-template <int R, int NV, typename T>
+// SETS accumulator sets take alternate k (set u: k = u mod SETS) and are summed at the end: with one vector per
+// row on AVX2 (rank 8; 6 rows) one set is 6 chains of dependent FMAs, fewer than the two FMA pipes' latency
+// needs in flight (8 on a Zen 3), and two sets are 12 (benchmarks/cpu_lora_prefill_bench.py
+// --shrink-baseline-source, RESULTS.md, thirtieth session). The sums' order then differs from one set's.
+template <int R, int NV, typename T, int SETS = 1>
 void shrink_chunk(const float* __restrict x, int64_t xs, const float* const* __restrict arow, int64_t K, int c0,
                   float (*__restrict s)[MAX_RANK], bool prefetch) {
+  static_assert(SETS == 1 || SHRINK_KU == 1, "accumulator sets take one k each");
   constexpr int W = sizeof(T) / sizeof(float);
-  T acc[R][NV];
+  T acc[SETS][R][NV];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = T{};
+  for (int u = 0; u < SETS; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[u][r][v] = T{};
+  constexpr int STEP = SETS * SHRINK_KU;
   int64_t k = 0;
-  for (; k + SHRINK_KU <= K; k += SHRINK_KU) {
-    if (SHRINK_PREFETCH_X && prefetch && (k & 15) == 0) {
+  for (; k + STEP <= K; k += STEP) {
+    if (SHRINK_PREFETCH_X && prefetch && (k & 15) < STEP) {  // once every 16 k (STEP divides 16)
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) __builtin_prefetch(x + (R + r) * xs + k, 0, 3);
+      for (int r = 0; r < R; ++r) __builtin_prefetch(x + (R + r) * xs + (k & ~int64_t{15}), 0, 3);
     }
-    shrink_k<R, NV, T, SHRINK_KU>(acc, x, xs, arow, k, c0);
+#pragma GCC unroll 4
+    for (int u = 0; u < SETS; ++u) shrink_k<R, NV, T, SHRINK_KU>(acc[u], x, xs, arow, k + u * SHRINK_KU, c0);
   }
-  for (; k < K; ++k) shrink_k<R, NV, T, 1>(acc, x, xs, arow, k, c0);  // none: the pool geometry makes K a multiple of D
+  for (; k < K; ++k) shrink_k<R, NV, T, 1>(acc[0], x, xs, arow, k, c0);  // none: the pool geometry makes K a multiple of D
+#pragma GCC unroll 4
+  for (int u = 1; u < SETS; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[0][r][v] += acc[u][r][v];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) vstore<T>(s[r] + c0 + v * W, acc[r][v]);
+    for (int v = 0; v < NV; ++v) vstore<T>(s[r] + c0 + v * W, acc[0][r][v]);
 }
 
 // y[r][cols] += s_r @ B^T[:, cols] for R tokens and NV*VEC columns; bcol[k]: B^T[k, cols] (contiguous).
@@ -377,7 +392,7 @@ void shrink_rows(const float* x, int64_t xs, const float* const* arow, int64_t K
                  float (*s)[MAX_RANK]) {
   int c = 0;
   for (; c + 2 * VEC <= rank; c += 2 * VEC) shrink_chunk<R, 2, vecv>(x, xs, arow, K, c, s, c == 0);
-  if (c + VEC <= rank) shrink_chunk<R, 1, vecv>(x, xs, arow, K, c, s, c == 0), c += VEC;
+  if (c + VEC <= rank) shrink_chunk<R, 1, vecv, SHRINK_SETS_1>(x, xs, arow, K, c, s, c == 0), c += VEC;
   if (c < rank) shrink_chunk<R, 1, vec8>(x, xs, arow, K, c, s, c == 0);  // rank % VEC == 8 (AVX-512 only)
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < rank; ++j) s[r][j] *= scale;
