@@ -87,7 +87,7 @@ template <int R>
 inline void fma_k(vec (&a0)[R], vec (&a1)[R], const float* __restrict x, int64_t xs, int64_t k,
                   const float* __restrict w) {
   vec w0 = load(w), w1 = load(w + V);
-#if !defined(__AVX512F__)
+#if defined(__AVX__) && !defined(__AVX512F__)  // "x": an x86 vector register, which a 32-byte vector fills
   asm("" : "+x"(w0), "+x"(w1));
 #endif
   const float* xr = x + k;
