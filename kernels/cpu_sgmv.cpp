@@ -346,11 +346,12 @@ void shrink_chunk(const float* __restrict x, int64_t xs, const float* const* __r
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) acc[u][r][v] = T{};
   constexpr int STEP = SETS * SHRINK_KU;
+  static_assert(16 % STEP == 0, "k steps onto every multiple of 16, where x is prefetched");
   int64_t k = 0;
   for (; k + STEP <= K; k += STEP) {
-    if (SHRINK_PREFETCH_X && prefetch && (k & 15) < STEP) {  // once every 16 k (STEP divides 16)
+    if (SHRINK_PREFETCH_X && prefetch && (k & 15) == 0) {
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) __builtin_prefetch(x + (R + r) * xs + (k & ~int64_t{15}), 0, 3);
+      for (int r = 0; r < R; ++r) __builtin_prefetch(x + (R + r) * xs + k, 0, 3);
     }
 #pragma GCC unroll 4
     for (int u = 0; u < SETS; ++u) shrink_k<R, NV, T, SHRINK_KU>(acc[u], x, xs, arow, k + u * SHRINK_KU, c0);
