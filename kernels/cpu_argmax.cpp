@@ -6,8 +6,7 @@
 // vectorised max (NaN noted on the side), then a search for the first element equal to it, which finds
 // the row still in L2.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 
 #include <cmath>
 #include <cstdint>
@@ -44,13 +43,13 @@ int64_t row_argmax(const float* __restrict p, int64_t n) {
 }  // namespace
 
 // x [N, V] float32 (rows may be strided, columns contiguous), V >= 1. Returns [N] int64.
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(x.size(1) >= 1, "argmax of an empty row");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) == 1, "x needs contiguous columns");
   const int64_t N = x.size(0), V = x.size(1), xs = x.stride(0);
-  torch::Tensor out = torch::empty({N}, x.options().dtype(at::kLong));
+  at::Tensor out = at::empty({N}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {

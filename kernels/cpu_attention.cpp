@@ -19,8 +19,7 @@
 // Keys at or past a row's limit are never read: pool slots past a sequence's length may hold
 // anything (NaN included), and 0 * NaN would still poison the output.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 
 #include <algorithm>
 #include <atomic>
@@ -663,11 +662,11 @@ bool run_all(const Problem& pb, int64_t num_tiles) {
 
 // out[tokens of each tile] = attention of those tokens' q over their sequence's cached K/V.
 // Tokens not in any tile are left untouched.
-void paged_attention(torch::Tensor out,          // [T, H, D] float32, last dim contiguous
-                     torch::Tensor q,            // [T, H, D] float32, last dim contiguous
-                     torch::Tensor kv_pool,      // [P, 2, bs, kvh, D] float32 contiguous
-                     torch::Tensor tables,       // [S, max_blocks] int32 contiguous, one layer
-                     torch::Tensor tiles,        // [W, 4] int32: sequence, first token, tokens, keys of the first token
+void paged_attention(at::Tensor out,          // [T, H, D] float32, last dim contiguous
+                     at::Tensor q,            // [T, H, D] float32, last dim contiguous
+                     at::Tensor kv_pool,      // [P, 2, bs, kvh, D] float32 contiguous
+                     at::Tensor tables,       // [S, max_blocks] int32 contiguous, one layer
+                     at::Tensor tiles,        // [W, 4] int32: sequence, first token, tokens, keys of the first token
                      double scale) {
   TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && kv_pool.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && kv_pool.scalar_type() == at::kFloat,
@@ -708,11 +707,11 @@ void paged_attention(torch::Tensor out,          // [T, H, D] float32, last dim 
 // This step's new K and V into their pool slots, for one layer: token t's row (all kv heads) goes to
 // row offsets[t] of page pages[t], K half then V half. One call for both, where the torch path took two
 // index_copy_ calls per layer (60 ops per decode step, ~1.5-2 ms of a B=64 step in their fixed costs).
-void write_kv(torch::Tensor kv_pool,  // [P, 2, bs, kvh, D] float32 contiguous
-              torch::Tensor k,        // [T, kvh, D] float32, heads and D contiguous (rows may be strided)
-              torch::Tensor v,        // [T, kvh, D] likewise
-              torch::Tensor pages,    // [T] int64: this layer's page of each token
-              torch::Tensor offsets)  // [T] int64: the token's row in that page
+void write_kv(at::Tensor kv_pool,  // [P, 2, bs, kvh, D] float32 contiguous
+              at::Tensor k,        // [T, kvh, D] float32, heads and D contiguous (rows may be strided)
+              at::Tensor v,        // [T, kvh, D] likewise
+              at::Tensor pages,    // [T] int64: this layer's page of each token
+              at::Tensor offsets)  // [T] int64: the token's row in that page
 {
   TORCH_CHECK(kv_pool.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(kv_pool.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,

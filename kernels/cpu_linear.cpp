@@ -14,8 +14,7 @@
 // at most MR rows, balanced (64 rows on AVX-512: 6 blocks of 10-11, not 5 of 12 and a lone 4) so that
 // every block keeps enough independent accumulators to hide the FMA latency.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 
 #if defined(__AVX512F__)
 #include <cpuid.h>  // x86 only, as AVX-512 is: cpu_family
@@ -231,8 +230,8 @@ struct LoraPlan {
   }
 };
 
-torch::Tensor run(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n,
-                  const LoraPlan* plan) {
+at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n,
+               const LoraPlan* plan) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
                   (x.stride(1) == 1 || x.size(1) <= 1 || x.numel() == 0),  // a size-1 dim's stride is arbitrary
               "x must be a 2-D float32 CPU tensor with contiguous rows");
@@ -248,7 +247,7 @@ torch::Tensor run(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Te
                 "bias must be contiguous float32 [", n, "]");
     bp = bias->data_ptr<float>();
   }
-  torch::Tensor y = torch::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = at::empty({M, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || n == 0) return y;
   if (K == 0 && plan == nullptr) return bp != nullptr ? y.copy_(bias->expand({M, n})) : y.zero_();
   const float* xp = x.data_ptr<float>();
@@ -294,7 +293,7 @@ int64_t panel_width() { return NR; }
 
 // x [M, K] float32 (rows may be strided, columns contiguous); panels [P, K, NR] (pack_panels);
 // bias [N] or None. Returns y [M, N] float32, contiguous.
-torch::Tensor linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n) {
+at::Tensor linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n) {
   return run(x, panels, bias, n, nullptr);
 }
 
@@ -303,11 +302,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch:
 // LoraDeviceTensors (SegTables; the scales are already in s); modules[i]
 // owns output columns [bounds[i], bounds[i + 1]). Needs D and every bound a multiple of NR (a panel
 // lies in one module and its B^T columns in one pool row); segments must not overlap.
-torch::Tensor linear_lora(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t n,
-                          torch::Tensor s, torch::Tensor pool_rows, torch::Tensor seg_start, torch::Tensor seg_len,
-                          torch::Tensor layout, torch::Tensor scales, torch::Tensor pages, int64_t rows_per_page,
-                          int64_t layer, std::vector<int64_t> modules, std::vector<int64_t> bounds,
-                          std::vector<int64_t> s_cols) {
+at::Tensor linear_lora(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n,
+                       at::Tensor s, at::Tensor pool_rows, at::Tensor seg_start, at::Tensor seg_len,
+                       at::Tensor layout, at::Tensor scales, at::Tensor pages, int64_t rows_per_page,
+                       int64_t layer, std::vector<int64_t> modules, std::vector<int64_t> bounds,
+                       std::vector<int64_t> s_cols) {
   TORCH_CHECK(s.dim() == 2 && s.scalar_type() == at::kFloat && s.stride(1) == 1 && s.size(0) == x.size(0),
               "s must be float32 [M, W] with contiguous columns");
   LoraPlan plan{SegTables(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer), layer,

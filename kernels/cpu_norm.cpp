@@ -8,8 +8,7 @@
 // Numerics follow transformers' LlamaRMSNorm in float32: y = (x * rsqrt(mean(x^2) + eps)) * w. The sum
 // of squares is accumulated in float32 vector lanes, so the last bits can differ from torch's order.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 
 #include <cmath>
 #include <cstdint>
@@ -27,14 +26,14 @@ void norm_row(const float* __restrict x, const float* __restrict w, float* __res
   for (int64_t i = 0; i < h; ++i) y[i] = (x[i] * r) * w[i];
 }
 
-void check(const torch::Tensor& t, const char* name) {
+void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu() &&
                   (t.stride(1) == 1 || t.size(1) <= 1 || t.numel() == 0),  // a size-1 dim's stride is arbitrary
               name,
               " must be a 2-D float32 CPU tensor with contiguous rows");
 }
 
-void check_weight(const torch::Tensor& w, int64_t h) {
+void check_weight(const at::Tensor& w, int64_t h) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == h && w.scalar_type() == at::kFloat && w.is_contiguous(),
               "weight must be contiguous float32 [", h, "]");
 }
@@ -42,11 +41,11 @@ void check_weight(const torch::Tensor& w, int64_t h) {
 }  // namespace
 
 // x [T, H] -> y [T, H] (contiguous).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check(x, "x");
   const int64_t T = x.size(0), H = x.size(1);
   check_weight(w, H);
-  torch::Tensor y = torch::empty({T, H}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = at::empty({T, H}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -58,13 +57,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // h [T, H] += d [T, H] in place (the residual stream), then returns rms_norm(h).
-torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, double eps) {
+at::Tensor add_rms_norm(at::Tensor h, at::Tensor d, at::Tensor w, double eps) {
   check(h, "h");
   check(d, "d");
   const int64_t T = h.size(0), H = h.size(1);
   TORCH_CHECK(d.size(0) == T && d.size(1) == H, "d must have h's shape");
   check_weight(w, H);
-  torch::Tensor y = torch::empty({T, H}, h.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = at::empty({T, H}, h.options().memory_format(at::MemoryFormat::Contiguous));
   float* hp = h.data_ptr<float>();
   const float* dp = d.data_ptr<float>();
   const float* wp = w.data_ptr<float>();

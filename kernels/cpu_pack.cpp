@@ -13,8 +13,7 @@
 // while it is still in cache, instead of a separate pass over the adapter's bytes in memory (that
 // pass, torch's foreach norm, cost about as much as the packing itself).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 #include <omp.h>
 
 #include <algorithm>
@@ -121,7 +120,7 @@ int64_t run(const std::vector<Src>& srcs, const int64_t* offsets, T* out, T mask
   return -1;
 }
 
-int64_t run_sized(const std::vector<Src>& srcs, const int64_t* off, torch::Tensor& out, uint64_t mask) {
+int64_t run_sized(const std::vector<Src>& srcs, const int64_t* off, at::Tensor& out, uint64_t mask) {
   switch (out.element_size()) {
     case 2:
       TORCH_CHECK(mask <= 0xFFFF, "nonfinite_mask wider than the element");
@@ -135,7 +134,7 @@ int64_t run_sized(const std::vector<Src>& srcs, const int64_t* off, torch::Tenso
   return -1;
 }
 
-void check_flat_out(const torch::Tensor& out, const torch::Tensor& offsets, int64_t count) {
+void check_flat_out(const at::Tensor& out, const at::Tensor& offsets, int64_t count) {
   TORCH_CHECK(out.is_contiguous() && out.dim() == 1 && out.device().is_cpu(), "out must be a flat contiguous CPU tensor");
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == count,
               "offsets: one int64 per source");
@@ -147,14 +146,14 @@ void check_flat_out(const torch::Tensor& out, const torch::Tensor& offsets, int6
 // the first element of each transposed matrix in out. Every write is checked to lie inside out.
 // nonfinite_mask: 0, or the dtype's exponent bits (float32: 0x7F800000): then the index of the first
 // source holding a NaN or an Inf is returned (everything is written regardless), else -1.
-int64_t transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch::Tensor offsets,
+int64_t transpose_into(std::vector<at::Tensor> srcs, at::Tensor out, at::Tensor offsets,
                        int64_t nonfinite_mask) {
   check_flat_out(out, offsets, static_cast<int64_t>(srcs.size()));
   const int64_t* off = offsets.data_ptr<int64_t>();
   std::vector<Src> views;
   views.reserve(srcs.size());
   for (size_t k = 0; k < srcs.size(); ++k) {
-    const torch::Tensor& s = srcs[k];
+    const at::Tensor& s = srcs[k];
     TORCH_CHECK(s.dim() == 2 && s.scalar_type() == out.scalar_type() && s.device().is_cpu(),
                 "source ", k, " must be a 2-D CPU tensor of the output's dtype");
     TORCH_CHECK(off[k] >= 0 && off[k] + s.numel() <= out.numel(), "source ", k, " does not fit in out");
@@ -169,8 +168,8 @@ int64_t transpose_into(std::vector<torch::Tensor> srcs, torch::Tensor out, torch
 // SmolLM2 adapter cost more than the copy itself). Every matrix is checked to lie inside the buffer and
 // its destination inside out. Returns as transpose_into does, or -2 (nothing written) where a matrix
 // starts at an address that is not a multiple of the element size: the caller then takes its other path.
-int64_t transpose_from_buffer(py::buffer data, int64_t base, torch::Tensor byte_offsets, torch::Tensor shapes,
-                              torch::Tensor out, torch::Tensor offsets, int64_t nonfinite_mask) {
+int64_t transpose_from_buffer(py::buffer data, int64_t base, at::Tensor byte_offsets, at::Tensor shapes,
+                              at::Tensor out, at::Tensor offsets, int64_t nonfinite_mask) {
   const py::buffer_info info = data.request();  // with the GIL: released below, for the copy only
   TORCH_CHECK(info.ndim == 1 && info.itemsize == 1 && info.strides[0] == 1, "data must be a flat byte buffer");
   const int64_t count = byte_offsets.numel();

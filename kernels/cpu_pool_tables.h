@@ -9,7 +9,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -56,8 +56,8 @@ struct SegTables {
   const float* pool;
   int64_t num_segs, num_layers, num_modules, max_pages, d, page_elems;
 
-  SegTables(const torch::Tensor& pool_rows, const torch::Tensor& seg_start, const torch::Tensor& seg_len,
-            const torch::Tensor& layout, const torch::Tensor& scales, const torch::Tensor& pages,
+  SegTables(const at::Tensor& pool_rows, const at::Tensor& seg_start, const at::Tensor& seg_len,
+            const at::Tensor& layout, const at::Tensor& scales, const at::Tensor& pages,
             int64_t rows_per_page, int64_t layer) {
     TORCH_CHECK(pool_rows.scalar_type() == at::kFloat && pool_rows.is_contiguous() && pool_rows.dim() == 2,
                 "pool_rows must be a contiguous float32 [R, D] tensor");

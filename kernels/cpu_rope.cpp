@@ -6,8 +6,7 @@
 // trace of benchmarks/e2e (default model, no adapters, dev CPU) it took 0.32 s of a 7.3 s run. Here each
 // head is read and written once: the same trace, runs alternating, 7.93 s mean wall against 8.29 s.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 
 #include <cstdint>
 
@@ -20,7 +19,7 @@ constexpr int64_t ROWS_PER_TASK = 16;  // below this many tokens a thread split 
 // x [T, W] (rows may be strided, columns contiguous): its first `ncols` columns, heads of hd =
 // cos.size(1) elements, are rotated in place by cos/sin [T, hd] (each token's position):
 // out[i] = x[i] cos[i] - x[i + hd/2] sin[i], out[i + hd/2] = x[i + hd/2] cos[i + hd/2] + x[i] sin[i + hd/2].
-void rope_(torch::Tensor x, int64_t ncols, torch::Tensor cos, torch::Tensor sin) {
+void rope_(at::Tensor x, int64_t ncols, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
                   (x.stride(1) == 1 || x.size(1) <= 1),
               "x must be a 2-D float32 CPU tensor with contiguous rows");

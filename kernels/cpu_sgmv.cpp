@@ -9,8 +9,7 @@
 // one item per adapter over the threads; a long prefill segment spreads its token blocks (each
 // re-reads the adapter's matrices, from cache after the first).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 
 #include <algorithm>
 #include <array>
@@ -793,7 +792,7 @@ void add_module(std::vector<GroupItem>& items, const std::vector<ModuleItem>& pl
   for (const ModuleItem& it : planned) items.push_back({it, module, col, out});
 }
 
-void check_yx(const torch::Tensor& y, const torch::Tensor& x) {
+void check_yx(const at::Tensor& y, const at::Tensor& x) {
   TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
               "cpu_sgmv.apply_lora takes float32 tensors");
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y [T, out] and x [T, in] expected");
@@ -806,8 +805,8 @@ void check_yx(const torch::Tensor& y, const torch::Tensor& x) {
 // others are left to the caller (a BLAS GEMM multiplies them faster than the token-block loops).
 // y [T, out] (rows may be strided, columns contiguous: a column slice of a fused projection) is
 // updated in place; x [T, in]; the other arguments: SegTables.
-void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
-                torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
+void apply_lora(at::Tensor y, at::Tensor x, at::Tensor pool_rows, at::Tensor seg_start,
+                at::Tensor seg_len, at::Tensor layout, at::Tensor scales, at::Tensor pages,
                 int64_t rows_per_page, int64_t layer, int64_t module, int64_t max_len) {
   check_yx(y, x);
   const SegTables tb(pool_rows, seg_start, seg_len, layout, scales, pages, rows_per_page, layer);
@@ -819,8 +818,8 @@ void apply_lora(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch
 // apply_lora of modules[g] on y's columns [bounds[g], bounds[g + 1]) for modules that share x and one fused
 // output (q | k | v, gate | up), in one parallel region (run_items): one call from Python per fused projection, where
 // a call per module cost the engine's decode step ~10 us of Python and argument passing each (210 a step).
-void apply_lora_group(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
-                      torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
+void apply_lora_group(at::Tensor y, at::Tensor x, at::Tensor pool_rows, at::Tensor seg_start,
+                      at::Tensor seg_len, at::Tensor layout, at::Tensor scales, at::Tensor pages,
                       int64_t rows_per_page, int64_t layer, std::vector<int64_t> modules, std::vector<int64_t> bounds,
                       int64_t max_len) {
   check_yx(y, x);
@@ -840,8 +839,8 @@ void apply_lora_group(torch::Tensor y, torch::Tensor x, torch::Tensor pool_rows,
 // packed GEMM applies in its epilogue (cpu_linear.linear_lora), for modules sharing one input x (q, k,
 // v; gate, up) in one pass over x. Every (segment, module) must satisfy long_ok; other columns of s
 // are left as they are.
-void shrink_segments(torch::Tensor s, torch::Tensor x, torch::Tensor pool_rows, torch::Tensor seg_start,
-                     torch::Tensor seg_len, torch::Tensor layout, torch::Tensor scales, torch::Tensor pages,
+void shrink_segments(at::Tensor s, at::Tensor x, at::Tensor pool_rows, at::Tensor seg_start,
+                     at::Tensor seg_len, at::Tensor layout, at::Tensor scales, at::Tensor pages,
                      int64_t rows_per_page, int64_t layer, std::vector<int64_t> modules, std::vector<int64_t> s_cols) {
   TORCH_CHECK(s.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat, "cpu_sgmv.shrink takes float32 tensors");
   TORCH_CHECK(s.dim() == 2 && x.dim() == 2 && s.size(0) == x.size(0), "s [T, W] and x [T, in] expected");

@@ -9,8 +9,7 @@
 // polynomial, exponent built in the integer lanes), within 2 ulp of the correctly rounded result,
 // because glibc's vector exp is only used with -ffast-math, which this build does not take.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ext.h"
 
 #include <cmath>
 #include <cstdint>
@@ -62,13 +61,13 @@ void swiglu_row(const float* __restrict g, const float* __restrict u, float* __r
 
 // gu [T, 2I] (rows may be strided, columns contiguous): gate in columns [0, I), up in [I, 2I).
 // Returns act [T, I] = silu(gate) * up, contiguous.
-torch::Tensor swiglu(torch::Tensor gu, int64_t inter) {
+at::Tensor swiglu(at::Tensor gu, int64_t inter) {
   TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.device().is_cpu() &&
                   (gu.stride(1) == 1 || gu.size(1) <= 1),
               "gu must be a 2-D float32 CPU tensor with contiguous rows");
   TORCH_CHECK(inter >= 0 && gu.size(1) == 2 * inter, "gu must have 2 x ", inter, " columns, got ", gu.size(1));
   const int64_t T = gu.size(0);
-  torch::Tensor y = torch::empty({T, inter}, gu.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = at::empty({T, inter}, gu.options().memory_format(at::MemoryFormat::Contiguous));
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t gs = gu.stride(0);

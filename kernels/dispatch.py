@@ -16,7 +16,7 @@ import torch
 from loraplex.errors import ConfigError
 
 from . import cpu_attention, cpu_sgmv, torch_attention, torch_sgmv
-from .cpu_build import build_error, load_extension
+from .cpu_build import build_all, build_error
 from .metadata import LoraBatch
 from .pointwise import PointwiseOps
 
@@ -92,12 +92,12 @@ CPU_OPS = KernelOps(
 
 def _cpu_ops() -> KernelOps | None:
     """The C++ CPU kernel set, or None where it does not build here (the reason is logged once).
-    Both kernels are built (or loaded from the cache) here, when the engine starts, not in its first step;
-    where only the attention kernel fails, its wrapper hands each call to the torch path."""
+    Every kernel (the SGMV and attention of this set, the packer, the model's projections, norms, RoPE,
+    SwiGLU and argmax) is built, side by side, or loaded from the cache here, when the engine starts, not in
+    its first step; where only the attention kernel fails, its wrapper hands each call to the torch path."""
+    build_all()
     if not cpu_sgmv.available():
         return None
-    cpu_attention.extension()
-    load_extension("cpu_pack")  # the adapter packer (unified_pager.adapter_rows), built before any load
     return CPU_OPS
 
 
