@@ -9,8 +9,8 @@ pool in place, as the Triton kernels do on a GPU.
 torch.utils.cpp_extension compiles each source with the compiler that built nothing else here
 (g++ from the system) into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) and reuses
 the build while the source is unchanged. The first engine start on a machine builds all eight, side by
-side (build_all): 51 s on an AMD EPYC Zen 4 with 2 cores, where one at a time with torch/extension.h
-took 224 s (torch_ext.h says why the headers matter).
+side (build_all): 56.9 s on an AMD EPYC Zen 4 with 2 cores, where one at a time with torch/extension.h
+took 200.5 s (benchmarks/kernel_build_bench.py; torch_ext.h says why the headers matter).
 A machine without a compiler (or where the build fails) gets None and the torch path, with the
 reason logged once: the kernels are a speed-up, never a requirement.
 """
