@@ -23,6 +23,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from loraplex.kernels import cpu_build
+
 _ROOT = Path(__file__).resolve().parent.parent
 
 BUILD_ALL = """
@@ -31,10 +33,9 @@ BUILD_ALL = """
     assert all(built.values()), {k: cpu_build.build_error(k) for k, ok in built.items() if not ok}
 """
 ONE_AT_A_TIME = """
-    from pathlib import Path
     from loraplex.kernels import cpu_build
-    for src in sorted(Path(cpu_build.__file__).parent.glob("cpu_*.cpp")):
-        assert cpu_build.load_extension(src.stem) is not None, cpu_build.build_error(src.stem)
+    for stem in cpu_build.kernel_stems():
+        assert cpu_build.load_extension(stem) is not None, cpu_build.build_error(stem)
 """
 BASELINE = """
     from pathlib import Path
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, code in runs.items():
         print(f"{name}...", file=sys.stderr, flush=True)
         seconds[name] = timed_build(code)
-    kernels = sorted(p.stem for p in (_ROOT / "kernels").glob("cpu_*.cpp"))
+    kernels = cpu_build.kernel_stems()
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu_name(),
               "cpus": os.cpu_count(), "kernels": kernels, "seconds": seconds,
               "baseline_kernels": str(args.baseline_kernels) if args.baseline_kernels else None}

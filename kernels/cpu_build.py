@@ -76,6 +76,11 @@ def load_extension(stem: str) -> ModuleType | None:
         return mod
 
 
+def kernel_stems() -> list[str]:
+    """The kernels beside this file, by stem (cpu_argmax, cpu_attention, ...), in name order."""
+    return [src.stem for src in sorted(Path(__file__).parent.glob("cpu_*.cpp"))]
+
+
 def build_all(workers: int | None = None) -> dict[str, bool]:
     """Build (or load from the cache) every kernel beside this file: {stem: whether it built}. For callers that
     want the first build on a machine done before a clock starts: the engine on the CPU (dispatch._cpu_ops), the
@@ -84,7 +89,7 @@ def build_all(workers: int | None = None) -> dict[str, bool]:
     The builds run side by side, `workers` at a time (default: one per CPU): each is a compiler process of its
     own, bound by one core, and a kernel's build does not wait on another's. Loads from the cache take well
     under a second each either way."""
-    stems = [src.stem for src in sorted(Path(__file__).parent.glob("cpu_*.cpp"))]
+    stems = kernel_stems()
     workers = workers or max(1, min(len(stems), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kernel-build") as pool:
         mods = list(pool.map(load_extension, stems))

@@ -6,18 +6,17 @@ from __future__ import annotations
 import os
 import threading
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from loraplex.kernels import cpu_build, select_kernels
 
-STEMS = sorted(p.stem for p in Path(cpu_build.__file__).parent.glob("cpu_*.cpp"))
+STEMS = cpu_build.kernel_stems()
 
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    """Module state as in a new process, with the compiler replaced by `compile` (set by the test)."""
+    """Module state as in a new process; each test then puts its own `_compile` in place of the compiler."""
     monkeypatch.setattr(cpu_build, "_built", {})
     monkeypatch.setattr(cpu_build, "_errors", {})
     monkeypatch.setattr(cpu_build, "_locks", {})
