@@ -209,14 +209,14 @@ def print_mode(r: ModeResult) -> None:
 def print_scaling(points: list[ScalingPoint]) -> None:
     # joined: requests whose adapter was already loading for another (the feed prefetches on arrival)
     print("\n| adapters | used | req/s | relative | predicted | loss ratio | host hits/joined/misses/evict | "
-          "pool loads/evict |")
-    print("|---|---|---|---|---|---|---|---|")
+          "host loads s (floor s) | pool loads/evict |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for p in points:
         ratio = "-" if p.loss_ratio is None else f"{p.loss_ratio:.2f}"
         hc = p.host_cache
         print(f"| {p.adapters} | {p.distinct_used} | {p.throughput_rps:.3f} | {p.relative_throughput:.3f} | "
               f"{1 - (p.predicted_loss or 0):.3f} | {ratio} | {hc['hits']}/{hc['joined']}/{hc['misses']}/{hc['evictions']} | "
-              f"{p.pool_loads}/{p.pool_evictions} |")
+              f"{p.host_load_s:.3f} ({p.host_load_floor_s or 0:.3f}) | {p.pool_loads}/{p.pool_evictions} |")
 
 
 def main(argv: list[str] | None = None) -> dict:

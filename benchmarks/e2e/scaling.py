@@ -123,6 +123,11 @@ class ScalingPoint:
     predicted_loss: float | None = None
     loss_ratio: float | None = None  # measured / predicted (the issue's bound: <= 1.3)
     walls: list[float] = dataclasses.field(default_factory=list)  # every repeat's wall, in the order run
+    # The host cache's loads (file read, decoded and packed; inside the timed run), measured, and the floor's
+    # price for their bytes (host_load_floor_seconds): on the AMD EPYC Zen 3 of the thirty-second session the
+    # 1000-adapter runs' 25 loads took 0.18 s against 0.02 at the floor, most of what the runs lost beyond it.
+    host_load_s: float = 0.0
+    host_load_floor_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -175,7 +180,7 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
         host_cache={k: v for k, v in asdict(hc).items() if k not in ("entries", "bytes")},
         pool_loads=pool_loads, pool_evictions=pool.adapter_evictions, pool_pages=pool.total_pages,
         adapter_pages_at_end=pool.adapter_pages, step_adapter_bytes=step_bytes, load_bytes=load_bytes,
-        lora_flops=lora_flops, pool_load_bytes=pool_load_bytes)
+        lora_flops=lora_flops, pool_load_bytes=pool_load_bytes, host_load_s=hc.load_seconds)
     store.cache.close()
     return run, point
 
@@ -209,13 +214,15 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
 
 
 def _median_point(runs: list[ScalingPoint]) -> ScalingPoint:
-    """One point from repeats of the same N (the same requests): median wall and throughput, every wall kept;
-    the cache and pool counts are the first run's (each run starts from an empty cache and pool)."""
+    """One point from repeats of the same N (the same requests): median wall and throughput, every wall kept,
+    and the median of the host cache's load seconds; the cache and pool counts are the first run's (each run
+    starts from an empty cache and pool)."""
     wall = statistics.median(r.wall_s for r in runs)
     first = runs[0]
     return dataclasses.replace(first, wall_s=wall, throughput_rps=first.throughput_rps * first.wall_s / wall,
                                throughput_tok_s=first.throughput_tok_s * first.wall_s / wall,
-                               walls=[r.wall_s for r in runs])
+                               walls=[r.wall_s for r in runs],
+                               host_load_s=statistics.median(r.host_load_s for r in runs))
 
 
 def extra_seconds(p: ScalingPoint, ref: ScalingPoint, ceilings: Ceilings) -> float:
@@ -233,6 +240,12 @@ def extra_seconds(p: ScalingPoint, ref: ScalingPoint, ceilings: Ceilings) -> flo
     return step + host / (ceilings.host_read_gbps * 1e9) + pool / (ceilings.h2d_gbps * 1e9) + flops
 
 
+def host_load_floor_seconds(p: ScalingPoint, ceilings: Ceilings) -> float:
+    """The floor's price for p's host-cache loads: one pass over their bytes at the host's read bandwidth (the
+    measured read bandwidth on the CPU), as extra_seconds prices them."""
+    return (p.load_bytes - p.pool_load_bytes) / ((ceilings.host_read_gbps or ceilings.read_gbps) * 1e9)
+
+
 def with_predictions(points: list[ScalingPoint], ceilings: Ceilings) -> list[ScalingPoint]:
     """Relative throughput and the floor's predicted loss against the first point (1 adapter)."""
     if not points:
@@ -246,5 +259,6 @@ def with_predictions(points: list[ScalingPoint], ceilings: Ceilings) -> list[Sca
         measured_loss, predicted_loss = 1.0 - measured_rel, 1.0 - predicted_rel
         ratio = measured_loss / predicted_loss if predicted_loss > 1e-9 else None
         out.append(dataclasses.replace(p, relative_throughput=measured_rel, measured_loss=measured_loss,
-                                       predicted_loss=predicted_loss, loss_ratio=ratio))
+                                       predicted_loss=predicted_loss, loss_ratio=ratio,
+                                       host_load_floor_s=host_load_floor_seconds(p, ceilings)))
     return out

@@ -238,7 +238,8 @@ def scaling_checks(points: Sequence[ScalingPoint]) -> list[TargetCheck]:
     return [TargetCheck(f"scaling 1 -> {p.adapters} adapters: loss / the floor's predicted loss",
                         p.loss_ratio if p.loss_ratio is not None else float("inf"), 1.3, False,
                         f"measured {p.measured_loss:.3f}, predicted {p.predicted_loss:.3f}, "
-                        f"{p.distinct_used} adapters used")
+                        f"{p.distinct_used} adapters used; host-cache loads {p.host_load_s:.3f} s against "
+                        f"{p.host_load_floor_s or 0:.3f} s at the floor")
             for p in points if p.adapters >= 100]
 
 

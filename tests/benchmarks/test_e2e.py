@@ -130,6 +130,10 @@ def test_scaling_outgrows_the_host_cache(result):
     assert last["pool_loads"] >= last["distinct_used"]
     for p in points:
         assert p["predicted_loss"] >= 0 and p["step_adapter_bytes"] > 0
+        # the host cache's loads, timed, beside the floor's price for their bytes (one pass at the read rate)
+        host_bytes = p["load_bytes"] - p["pool_load_bytes"]
+        assert p["host_load_s"] > 0 and p["host_load_floor_s"] == pytest.approx(
+            host_bytes / (result["ceilings"]["read_gbps"] * 1e9))
         # two sweeps (the second in reverse order); the point is their mean
         assert len(p["walls"]) == 2 and p["wall_s"] == pytest.approx(sum(p["walls"]) / 2)
         assert p["throughput_rps"] == pytest.approx(e2e_run.PRESETS["tiny"].scaling_requests / p["wall_s"])
@@ -353,7 +357,7 @@ def test_the_floor_prices_loads_where_they_go():
     """On the CPU every extra byte is priced at the read bandwidth; on a GPU the step reads at the device's,
     host-cache loads at the host's and pool loads at the host-to-device rate."""
     from e2e.ceiling import Ceilings
-    from e2e.scaling import ScalingPoint, extra_seconds
+    from e2e.scaling import ScalingPoint, extra_seconds, host_load_floor_seconds, with_predictions
 
     def point(step: int, load: int, pool: int, flops: float) -> ScalingPoint:
         return ScalingPoint(adapters=1, distinct_used=1, throughput_rps=1.0, throughput_tok_s=1.0, wall_s=1.0,
@@ -368,3 +372,19 @@ def test_the_floor_prices_loads_where_they_go():
                    host_read_gbps=20.0, h2d_gbps=50.0)
     # host-cache load bytes: 6e9 - 1e9 = 5e9 more; pool load bytes 3e9 more
     assert extra_seconds(p, ref, gpu) == pytest.approx(4e9 / 4000e9 + 5e9 / 20e9 + 3e9 / 50e9 + 2e9 / 7e14)
+    # the host-cache loads' own floor, which the scaling table prints beside their measured seconds
+    assert host_load_floor_seconds(p, cpu) == pytest.approx(6e9 / 40e9)
+    assert host_load_floor_seconds(p, gpu) == pytest.approx(6e9 / 20e9)
+    assert [q.host_load_floor_s for q in with_predictions([ref, p], cpu)] == pytest.approx([1e9 / 40e9, 6e9 / 40e9])
+
+
+def test_a_scaling_point_takes_the_median_of_its_runs_loads():
+    from e2e.scaling import ScalingPoint, _median_point
+
+    runs = [ScalingPoint(adapters=10, distinct_used=3, throughput_rps=4.0 / w, throughput_tok_s=40.0 / w, wall_s=w,
+                         relative_throughput=1.0, host_cache={"misses": 3}, pool_loads=3, pool_evictions=0,
+                         pool_pages=8, adapter_pages_at_end=3, step_adapter_bytes=1, load_bytes=1, lora_flops=1.0,
+                         host_load_s=load) for w, load in ((2.0, 0.30), (1.0, 0.10), (4.0, 0.20))]
+    point = _median_point(runs)
+    assert point.wall_s == 2.0 and point.walls == [2.0, 1.0, 4.0] and point.host_load_s == 0.20
+    assert point.throughput_rps == pytest.approx(2.0) and point.host_cache == {"misses": 3}
