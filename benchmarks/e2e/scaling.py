@@ -124,8 +124,9 @@ class ScalingPoint:
     loss_ratio: float | None = None  # measured / predicted (the issue's bound: <= 1.3)
     walls: list[float] = dataclasses.field(default_factory=list)  # every repeat's wall, in the order run
     # The host cache's loads (file read, decoded and packed; inside the timed run), measured, and the floor's
-    # price for their bytes (host_load_floor_seconds): on the AMD EPYC Zen 3 of the thirty-second session the
-    # 1000-adapter runs' 25 loads took 0.18 s against 0.02 at the floor, most of what the runs lost beyond it.
+    # price for their bytes (host_load_floor_seconds). On the AMD EPYC Zen 3 of the thirty-second session (quick
+    # run) the 1000-adapter run's 25 loads took 0.176 s against 0.009 at the floor: 0.17 of the 0.27 s by which
+    # that run's extra time exceeded the floor's (the 100-adapter run: 0.10 of 0.18 s).
     host_load_s: float = 0.0
     host_load_floor_s: float | None = None
 
