@@ -60,14 +60,9 @@ def timed_build(code: str) -> float:
 
 def cpu_name() -> str:
     """The CPU as /proc/cpuinfo names it (model name, family, model), else platform's word for it."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    first = cpu_build.cpu_fields()
+    if not first:
         return platform.processor() or platform.machine()
-    first = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        first.setdefault(key.strip(), value.strip())
     return f"{first.get('model name', platform.machine())} (family {first.get('cpu family', '?')} model " \
            f"{first.get('model', '?')})"
 

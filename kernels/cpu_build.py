@@ -180,8 +180,9 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
-def cpu_identity() -> str:
-    """The CPU's model and instruction-set flags (Linux: /proc/cpuinfo), or the platform's names."""
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "cpu family", "flags", ...); empty where there
+    is no such file (not Linux)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -192,6 +193,12 @@ def cpu_identity() -> str:
             break  # the first processor describes them all
         k, _, v = line.partition(":")
         fields[k.strip()] = v.strip()
+    return fields
+
+
+def cpu_identity() -> str:
+    """The CPU's model and instruction-set flags (Linux: /proc/cpuinfo), or the platform's names."""
+    fields = cpu_fields()
     wanted = [fields.get(k, "") for k in ("vendor_id", "model name", "flags", "Features", "CPU part")]
     ident = "|".join(wanted)
     return ident if ident.strip("|") else f"{platform.machine()}|{platform.processor()}"
