@@ -7,10 +7,11 @@ model, the tenth session's AMD EPYC) in Python over its ~420 tensors: parsing th
 a view per tensor, the shape checks per module, the row assignment, the views of the packed rows. A
 plan keeps what those steps concluded for bytes that passed every check, keyed by exactly those bytes
 (a folder's adapter_config.json and weights header; a stored blob's header, which holds its config).
-A later file with the same bytes passes the same checks with the same result, so it is read whole and
-packed by one C++ call straight from its buffer (kernels/cpu_pack.cpp, transpose_from_buffer). Only
-the values differ between such files, and every one of them is still checked for NaN and Inf, on the
-packing copy, as load_packed_folder does.
+A later file with the same bytes passes the same checks with the same result, so it is packed by one
+C++ call (kernels/cpu_pack.cpp): a stored blob, already fetched whole, straight from its buffer
+(transpose_from_buffer); a folder's file read by the packing threads, each matrix into a buffer that
+stays in cache until transposed (transpose_from_file). Only the values differ between such files, and
+every one of them is still checked for NaN and Inf, on the packing copy, as load_packed_folder does.
 
 A plan holds for one base model, rank limit and row layout (the checks' other inputs): PackPlans is
 made for one and refuses to serve another. Files whose tensors need a cast (another dtype than the
@@ -33,7 +34,7 @@ import torch
 from loraplex.errors import AdapterError, ConfigError
 from loraplex.lora.peft_config import llama_module_name
 from loraplex.lora.peft_loader import CONFIG_FILE, WEIGHTS_FILE, parse_weights_key
-from loraplex.lora.safetensors_views import DTYPES, read_exact, read_into
+from loraplex.lora.safetensors_views import DTYPES, read_exact
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
 from loraplex.models.config import ModelConfig
 
@@ -62,6 +63,21 @@ class PackPlan:
         """The adapter whose data section starts at byte `base` of the buffer `data` (bytes, bytearray or a
         uint8 array; the caller checked its length against data_bytes), packed; AdapterError naming the
         first matrix holding a NaN or an Inf; None where the buffer's alignment rules out the direct copy."""
+        return self._pack(name, source, pin_memory, lambda ext, rows: ext.transpose_from_buffer(
+            data, base, self.byte_offsets, self.shapes, rows.view(-1), self.row_offsets,
+            _EXPONENT_MASK[self.layout.dtype]))
+
+    def pack_file(self, name: str, fd: int, base: int, source: str, pin_memory: bool = False) -> LoraAdapter | None:
+        """pack, with the data section read from the open file `fd` from byte `base` on (the caller checked its
+        length against data_bytes) by the threads that transpose it (cpu_pack.cpp, transpose_from_file);
+        None where a read came short (the file changed while read) or the packer is not built."""
+        return self._pack(name, source, pin_memory, lambda ext, rows: ext.transpose_from_file(
+            fd, base, self.byte_offsets, self.shapes, rows.view(-1), self.row_offsets,
+            _EXPONENT_MASK[self.layout.dtype]))
+
+    def _pack(self, name: str, source: str, pin_memory: bool, copy_rows) -> LoraAdapter | None:
+        """copy_rows(ext, rows) fills rows [R, D] and returns the packer's answer: -1 done, k >= 0 matrix k
+        holds a NaN or an Inf, any other value: not packed (the caller takes its full path)."""
         from loraplex.kernels.cpu_build import load_extension  # lazily: the pager never needs the kernels
 
         ext = load_extension("cpu_pack")
@@ -69,9 +85,8 @@ class PackPlan:
             return None
         d = self.layout.row_width
         rows = torch.empty(self.assignment.num_rows, d, dtype=self.layout.dtype, pin_memory=pin_memory)  # [R, D]
-        bad = ext.transpose_from_buffer(data, base, self.byte_offsets, self.shapes, rows.view(-1), self.row_offsets,
-                                        _EXPONENT_MASK[self.layout.dtype])
-        if bad == -2:
+        bad = copy_rows(ext, rows)
+        if bad < -1:
             return None
         if bad >= 0:
             s = self.slots[bad // 2]
@@ -148,7 +163,6 @@ class PackPlans:
         self.capacity = capacity
         self._plans: OrderedDict[object, PackPlan] = OrderedDict()
         self._lock = threading.Lock()
-        self._scratch = threading.local()  # each loading thread's read buffer, see scratch()
         self.hits = 0
         self.misses = 0
 
@@ -180,16 +194,6 @@ class PackPlans:
     def __len__(self) -> int:
         return len(self._plans)
 
-    def scratch(self, nbytes: int) -> torch.Tensor:
-        """[nbytes] uint8: the calling thread's buffer for a file's data, reused from load to load (grown
-        when needed). A fresh buffer per load cost more than the load itself: on the tenth session's
-        AMD EPYC (a VM) a rank-16 load with 2 x 20 MB of freshly faulted memory took 20-120 ms of
-        kernel time against 4-7 ms where its memory had been touched before."""
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._scratch.buf = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes]
-
 
 def folder_key(config_bytes: bytes, header_bytes: bytes) -> tuple[str, bytes, bytes]:
     return ("folder", config_bytes, header_bytes)
@@ -199,21 +203,23 @@ def load_planned_folder(plans: PackPlans, name: str, folder: str | Path, pin_mem
                         ) -> LoraAdapter | None:
     """The folder's adapter packed by a plan learnt from the same config and header bytes; None where
     there is none (or the file does not read as that plan expects): the caller then takes the full path,
-    which gives whatever error the folder deserves."""
+    which gives whatever error the folder deserves. AdapterError where the plan packed it and found a
+    NaN or an Inf. The data section is read by the packer itself (PackPlan.pack_file), not here."""
     folder = Path(folder)
     try:
         config_bytes = (folder / CONFIG_FILE).read_bytes()
-        with (folder / WEIGHTS_FILE).open("rb", buffering=0) as f:
+        f = (folder / WEIGHTS_FILE).open("rb", buffering=0)
+    except OSError:
+        return None
+    with f:
+        try:
             size = os.fstat(f.fileno()).st_size
             (header_len,) = struct.unpack("<Q", read_exact(f, 8))
             if header_len > size - 8:
                 return None
             plan = plans.get(folder_key(config_bytes, read_exact(f, header_len)), size - 8 - header_len)
-            if plan is None:
-                return None
-            data = plans.scratch(plan.data_bytes)  # [bytes]; rows are built from it, it is not kept
-            if read_into(f, memoryview(data.numpy())) != plan.data_bytes:
-                return None
-    except (OSError, AdapterError, struct.error):
-        return None
-    return plan.pack(name, data.numpy(), 0, str(folder), pin_memory)
+        except (OSError, AdapterError, struct.error):
+            return None
+        if plan is None:
+            return None
+        return plan.pack_file(name, f.fileno(), 8 + header_len, str(folder), pin_memory)

@@ -14,9 +14,10 @@ from safetensors.torch import load_file, save_file
 from adapter_files import write_peft_adapter
 from loraplex.errors import AdapterError, ConfigError
 from loraplex.kernels.cpu_build import load_extension
-from loraplex.lora.peft_loader import WEIGHTS_FILE
+from loraplex.lora.peft_loader import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.lora.types import TARGET_MODULES
 from loraplex.unified_pager import PackPlans, RowLayout, load_packed_folder
+from loraplex.unified_pager.pack_plan import folder_key
 from native_kernels import require_built
 from pager_testkit import TINY
 
@@ -59,7 +60,7 @@ def test_adapters_of_one_shape_share_a_plan_and_pack_as_the_full_path(tmp_path):
     plans = _plans()
     folders = [write_peft_adapter(tmp_path / f"a{i}", TINY, r=8, targets=TARGET_MODULES) for i in range(4)]
     loaded = [_load(f"a{i}", f, plans) for i, f in enumerate(folders)]
-    # Compared after all were loaded: the read buffer each load reuses (PackPlans.scratch) backs none of them.
+    # Compared after all were loaded: no buffer of one load backs another's rows.
     for i, (got, folder) in enumerate(zip(loaded, folders)):
         assert_identical(got, _load(f"a{i}", folder))
     assert (plans.hits, plans.misses, len(plans)) == (3, 1, 1)
@@ -151,6 +152,24 @@ def test_a_file_that_does_not_read_as_its_plan_gets_the_full_paths_error(tmp_pat
     with pytest.raises(AdapterError, match="adapter_model.safetensors is missing"):
         _load("a", folder, plans)
     assert plans.hits == 0
+
+
+def test_a_file_that_comes_short_while_packed_is_left_to_the_full_path(tmp_path):
+    """The packer reads the data section itself (PackPlan.pack_file): where the file ends before a matrix
+    does (it shrank after its header matched), the plan gives None rather than an adapter."""
+    plans = _plans()
+    folder = write_peft_adapter(tmp_path / "a", TINY, r=8)
+    want = _load("a", folder, plans)
+    raw = (folder / WEIGHTS_FILE).read_bytes()
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    key = folder_key((folder / CONFIG_FILE).read_bytes(), raw[8:header_end])
+    plan = plans.get(key, len(raw) - header_end)
+    assert plan is not None
+    with (folder / WEIGHTS_FILE).open("rb") as f:
+        assert_identical(plan.pack_file("a", f.fileno(), header_end, str(folder)), want)
+    (tmp_path / "short").write_bytes(raw[:-4])
+    with (tmp_path / "short").open("rb") as f:
+        assert plan.pack_file("a", f.fileno(), header_end, str(folder)) is None
 
 
 def test_weights_needing_a_cast_get_no_plan(tmp_path):

@@ -9,6 +9,8 @@ built the test skips with the build error, except under CI.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from loraplex.kernels.cpu_build import load_extension
@@ -192,3 +194,93 @@ def test_packing_from_a_byte_buffer_refuses_what_does_not_fit():
     assert ext.transpose_from_buffer(b"\0" + blob, 1, torch.tensor([0]), torch.tensor([[1, 5]]), out,
                                      torch.tensor([0]), 0) == -2
     assert torch.equal(out, torch.zeros(8))
+
+
+def _matrices_in_a_file(g: torch.Generator, dtype: torch.dtype, path) -> tuple[list[torch.Tensor], int, torch.Tensor]:
+    """Row-major matrices written after a header-like prefix, with gaps and out of order: (matrices, the data's
+    first byte, each matrix's byte offset from it)."""
+    size = dtype.itemsize
+    mats = [torch.randn(int(torch.randint(1, 70, (), generator=g)), int(torch.randint(1, 70, (), generator=g)),
+                        generator=g).to(dtype) for _ in range(13)]
+    blob, where = bytearray(b"\xff" * 5 * size), {}
+    base = len(blob)
+    for k in torch.randperm(len(mats), generator=g).tolist():
+        blob += b"\xee" * size * int(torch.randint(0, 3, (), generator=g))
+        where[k] = len(blob) - base
+        blob += mats[k].contiguous().view(torch.uint8).numpy().tobytes()
+    path.write_bytes(bytes(blob))
+    return mats, base, torch.tensor([where[k] for k in range(len(mats))])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_packing_from_a_file_writes_what_packing_from_its_bytes_does(tmp_path, dtype):
+    """transpose_from_file (folder loads by a pack plan): each thread reads its matrices from the file and
+    transposes them; the output is bit for bit transpose_from_buffer's over the same bytes, the first matrix
+    holding a NaN or an Inf is named the same, and the output's tail is untouched."""
+    ext = load_extension("cpu_pack")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    path = tmp_path / "weights.bin"
+    mats, base, byte_offsets = _matrices_in_a_file(g, dtype, path)
+    sizes = torch.tensor([t.numel() for t in mats])
+    offsets = sizes.cumsum(0) - sizes
+    shapes = torch.tensor([list(t.shape) for t in mats])
+
+    def both(mask: int) -> tuple[int, torch.Tensor, int, torch.Tensor]:
+        outs, codes = [], []
+        for how in ("buffer", "file"):
+            out = torch.full((int(sizes.sum()) + 4,), float("nan"), dtype=dtype)
+            if how == "buffer":
+                codes.append(ext.transpose_from_buffer(path.read_bytes(), base, byte_offsets, shapes, out, offsets, mask))
+            else:
+                with path.open("rb") as f:
+                    codes.append(ext.transpose_from_file(f.fileno(), base, byte_offsets, shapes, out, offsets, mask))
+            outs.append(out)
+        return codes[0], outs[0], codes[1], outs[1]
+
+    code_b, out_b, code_f, out_f = both(_MASKS[dtype])
+    assert code_b == code_f == -1
+    assert torch.equal(out_f.view(torch.uint8), out_b.view(torch.uint8))
+    for t, o in zip(mats, offsets.tolist()):
+        assert torch.equal(out_f[o : o + t.numel()].view(t.shape[1], t.shape[0]), t.t())
+    assert torch.isnan(out_f[-4:].float()).all()
+    k = int(torch.randint(len(mats), (), generator=g))  # a NaN in one matrix: both name it
+    bad = mats[k].clone()
+    bad.view(-1)[int(torch.randint(bad.numel(), (), generator=g))] = float("nan")
+    blob = bytearray(path.read_bytes())
+    start = base + int(byte_offsets[k])
+    blob[start : start + bad.numel() * dtype.itemsize] = bad.view(torch.uint8).numpy().tobytes()
+    path.write_bytes(bytes(blob))
+    code_b, out_b, code_f, out_f = both(_MASKS[dtype])
+    assert code_b == code_f == k
+    assert torch.equal(out_f.view(torch.uint8), out_b.view(torch.uint8))
+    assert both(0)[2] == -1
+
+
+def test_packing_from_a_file_that_came_short_says_so(tmp_path):
+    """A matrix past the file's end (it shrank after its header was read): -3, so that the caller takes its
+    full path; arguments that cannot be right are refused before anything is read or written."""
+    ext = load_extension("cpu_pack")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    path = tmp_path / "weights.bin"
+    mats, base, byte_offsets = _matrices_in_a_file(g, torch.float32, path)
+    sizes = torch.tensor([t.numel() for t in mats])
+    offsets, shapes = sizes.cumsum(0) - sizes, torch.tensor([list(t.shape) for t in mats])
+    out = torch.zeros(int(sizes.sum()))
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 4)  # the last matrix in the file loses its last element
+        assert ext.transpose_from_file(f.fileno(), base, byte_offsets, shapes, out, offsets, _MASKS[torch.float32]) == -3
+        out.zero_()
+        args = (torch.tensor([[2, 3]]), out, torch.tensor([0]), 0)
+        for fd, b, offset, match in ((f.fileno(), -4, 0, "negative"), (-1, 0, 0, "negative"),
+                                     (f.fileno(), 0, -4, "negative")):
+            with pytest.raises(RuntimeError, match=match):
+                ext.transpose_from_file(fd, b, torch.tensor([offset]), *args)
+        with pytest.raises(RuntimeError, match="does not fit in out"):
+            ext.transpose_from_file(f.fileno(), 0, torch.tensor([0]), torch.tensor([[2, 3]]), out,
+                                    torch.tensor([out.numel() - 5]), 0)
+        assert torch.equal(out, torch.zeros_like(out))
+    fd = os.open(tmp_path, os.O_RDONLY)  # a read that fails (EISDIR) rather than comes short
+    try:
+        assert ext.transpose_from_file(fd, 0, torch.tensor([0]), torch.tensor([[2, 3]]), out, torch.tensor([0]), 0) == -3
+    finally:
+        os.close(fd)
