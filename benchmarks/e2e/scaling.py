@@ -5,7 +5,14 @@ lengths are identical (the trace generator draws them before the adapter picks);
 request names changes (power-law popularity). Adapters reach the engine the way the server feeds them:
 adapter folder -> host cache (byte-budgeted LRU, adapter_store.HostCache) -> EngineAdapterBridge -> engine
 -> page pool (evicting idle adapters, LRU). The host-cache budget and the pool size are stated in the
-result so that "more adapters than fit" shows. Loads are fed through systems.AdapterFeed in one of two ways:
+result so that "more adapters than fit" shows.
+
+Every run of a sweep is served by one engine, warmed up once (EngineCore.warmup): before each run its adapters
+are all forgotten (clear_adapters: no host copy, no pool page, no KV page left) and a new host cache is made, so
+each run starts as on a new engine, without loading the model and warming up again (4-6 s a run). On an AMD EPYC
+Zen 4 (thirty-third session, /tmp script, the quick preset's 1- and 1000-adapter runs, three of each way
+alternating in one process) a new engine per run took 8.5-11.2 s a run with its set-up against 4.9-5.3 s, for
+walls of 4.46-5.08 s against 4.54-5.01 s: a 1 -> 1000 loss of 0.078 against 0.074. Loads are fed through systems.AdapterFeed in one of two ways:
 on the engine thread as each request arrives (the default on the CPU), or as the server feeds them
 (prefetch_loads, the default on a GPU): started on the host cache's prefetch thread when the request arrives,
 the request joining the engine once its adapter is decoded. On a 2-core CPU the engine's two threads and the
@@ -144,15 +151,30 @@ def _loaded(adapter: LoraAdapter) -> Future:
     return done
 
 
-def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folders: dict[str, Path],
+def clear_adapters(engine: EngineCore) -> None:
+    """Forget every adapter the engine holds, host copies and pool pages, so that a run on it starts as on a new
+    engine: nothing resident from another N. The engine must be idle (a request holds its adapter)."""
+    if engine.has_unfinished():
+        raise ValueError("clear_adapters needs an idle engine")
+    for name in engine.adapters.names():
+        engine.unload_adapter(name)
+    left = engine.pager.stats()
+    if left.resident_adapters or left.adapter_pages or left.kv_pages:
+        raise AssertionError(f"the pool still holds {left.resident_adapters} adapters ({left.adapter_pages} pages) "
+                             f"and {left.kv_pages} KV pages after its adapters were unloaded")
+
+
+def run_one(engine: EngineCore, requests: Sequence[BenchRequest], folders: dict[str, Path],
             host_cache_bytes: int, prefetch_loads: bool = False) -> tuple[RunResult, ScalingPoint]:
-    # The previous run's engine (its pool and weights, 1.5 GB at the quick preset) is held by reference cycles
-    # until the garbage collector runs: collected here, not at some allocation inside this run's clock. Left
-    # to chance, its freeing landed in timed runs: one adapter count's four walls spread by up to 0.9 s (Intel
-    # Xeon, 2026-12-04: a 1000-adapter run at 4.99 s whose 25 loads took 0.36 s against 0.13-0.16 s in the
-    # others, while 3 GB of huge pages went back); collected first, they spread by 0.11-0.14 s.
+    """One run on `engine` (idle; warmed up once by the first run's system): its adapters cleared first, a new host
+    cache, the pool's counts taken as this run's differences."""
+    clear_adapters(engine)
+    # The previous run's host cache, its adapters and requests are held by reference cycles until the garbage
+    # collector runs: collected here, not at some allocation inside this run's clock (Intel Xeon, 2026-12-04:
+    # left to chance, one adapter count's four walls spread by up to 0.9 s while the freed memory went back to
+    # the system; collected first, by 0.11-0.14 s).
     gc.collect()
-    engine = EngineCore(engine_config)  # fresh: nothing resident from another N
+    before = engine.pager.stats()
     store = FolderStore(engine, folders, host_cache_bytes)
     bridge = EngineAdapterBridge(engine, store)
     # The feed's prefetch runs where the request arrives, on the engine thread: there store.get loads it now.
@@ -166,7 +188,7 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
     cfg = engine.model_config
     hc = store.cache.stats()
     pool = engine.pager.stats()
-    pool_loads = pool.adapter_loads
+    pool_loads = pool.adapter_loads - before.adapter_loads
     step_bytes = sum(_adapter_bytes(engine, a) for step in run.extra["steps_adapters"] for a in step)
     ranks = {r.id: adapter_rank(r.adapter) for r in requests if r.adapter}
     # One pass over an adapter's bytes per host-cache load and per pool load (mean adapter size).
@@ -179,7 +201,8 @@ def run_one(engine_config: EngineConfig, requests: Sequence[BenchRequest], folde
         adapters=0, distinct_used=len(folders), throughput_rps=m.throughput_rps, throughput_tok_s=m.throughput_tok_s,
         wall_s=run.wall_s, relative_throughput=1.0,
         host_cache={k: v for k, v in asdict(hc).items() if k not in ("entries", "bytes")},
-        pool_loads=pool_loads, pool_evictions=pool.adapter_evictions, pool_pages=pool.total_pages,
+        pool_loads=pool_loads, pool_evictions=pool.adapter_evictions - before.adapter_evictions,
+        pool_pages=pool.total_pages,
         adapter_pages_at_end=pool.adapter_pages, step_adapter_bytes=step_bytes, load_bytes=load_bytes,
         lora_flops=lora_flops, pool_load_bytes=pool_load_bytes, host_load_s=hc.load_seconds)
     store.cache.close()
@@ -193,6 +216,7 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
     run `repeats` times in alternating order (see the module's docstring for prefetch_loads)."""
     runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
     model_cfg = None
+    engine = None
     order = [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
     for n in order:
         trace = T.generate(dataclasses.replace(spec, num_adapters=n))[:num_requests]
@@ -204,7 +228,9 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
                                                max_len=model_cfg.max_model_len))
         folders = ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed)
         log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
-        _, point = run_one(engine_config, reqs, folders, host_cache_bytes, prefetch_loads)
+        if engine is None:
+            engine = EngineCore(engine_config)
+        _, point = run_one(engine, reqs, folders, host_cache_bytes, prefetch_loads)
         point = dataclasses.replace(point, adapters=n)
         hc = point.host_cache
         log(f"    {point.wall_s:.1f} s, host cache {hc['hits']} hits / {hc['joined']} joined / {hc['misses']} "

@@ -17,7 +17,7 @@ from e2e.systems import AdapterFeed, LoraplexSystem  # noqa: E402
 from e2e.workload import BenchRequest, write_random_adapter  # noqa: E402
 from factories import make_tiny_model  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
-from loraplex.engine import EngineCore  # noqa: E402
+from loraplex.engine import EngineCore, SamplingParams  # noqa: E402
 from loraplex.models.config import load_model_config  # noqa: E402
 from loraplex.unified_pager import load_packed_folder  # noqa: E402
 
@@ -121,7 +121,8 @@ def test_runs_loading_on_another_thread_are_not_stepped_in_turn(setup):
 
 def test_scaling_runs_serve_the_same_with_loads_on_either_thread(setup, tmp_path, monkeypatch):
     # scaling.run_one loads on the engine thread (the CPU default) or on the host cache's prefetch thread
-    # (the server's way, the GPU default): the same requests give the same tokens either way.
+    # (the server's way, the GPU default): the same requests give the same tokens either way. Both runs share one
+    # engine, as a sweep's runs do: the second starts with nothing resident and counts only its own loads.
     from e2e import scaling
     from e2e.workload import ensure_adapters
 
@@ -144,9 +145,10 @@ def test_scaling_runs_serve_the_same_with_loads_on_either_thread(setup, tmp_path
 
     monkeypatch.setattr(scaling.FolderStore, "_load", load)
     runs = {}
+    engine = EngineCore(conf)
     for mode in (False, True):
         load_threads.clear()
-        runs[mode] = scaling.run_one(conf, reqs, folders, 3 * size, prefetch_loads=mode)
+        runs[mode] = scaling.run_one(engine, reqs, folders, 3 * size, prefetch_loads=mode)
         on_caller = {t == threading.get_ident() for t in load_threads}
         assert on_caller == {not mode}, f"prefetch_loads={mode}: loads ran on the caller's thread: {on_caller}"
     tokens = {mode: [r.token_ids for r in run.records] for mode, (run, _) in runs.items()}
@@ -156,6 +158,8 @@ def test_scaling_runs_serve_the_same_with_loads_on_either_thread(setup, tmp_path
         hc = point.host_cache
         assert hc["hits"] + hc["joined"] + hc["misses"] == len(reqs) and hc["misses"] >= len(names)
         assert hc["evictions"] > 0  # the cache holds three of the five
+        assert point.pool_loads >= len(names)  # this run's own: every adapter placed again
+    assert engine.pager.stats().adapter_loads == sum(point.pool_loads for _, point in runs.values())
 
 
 def test_warmup_runs_the_adapter_path_outside_the_clock(setup):
@@ -174,3 +178,28 @@ def test_warmup_runs_the_adapter_path_outside_the_clock(setup):
     base.load_adapter("a0", folders["a0"])
     LoraplexSystem("no-adapters", base, False).warmup()
     assert not base.pager.is_resident(base.adapters.resolve("a0"))
+
+
+def test_clear_adapters_leaves_the_pool_as_a_new_engines(setup):
+    """A scaling sweep reuses one engine: clear_adapters forgets every adapter (host copy and pool pages), so a
+    run names none of the last run's; it refuses an engine with requests in flight, which hold their adapters."""
+    from e2e.scaling import clear_adapters
+
+    model, folders = setup
+    engine = _engine(model)
+    fresh = engine.pager.stats()
+    for name in ("a0", "a1", "a2"):
+        engine.load_adapter(name, folders[name])
+    LoraplexSystem("loraplex", engine, True).warmup()  # places two of them in the pool
+    assert engine.pager.stats().resident_adapters == 2
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), adapter="a0")
+    with pytest.raises(ValueError, match="idle engine"):
+        clear_adapters(engine)
+    assert engine.adapters.names() == ["a0", "a1", "a2"]  # refused: nothing forgotten
+    while engine.has_unfinished():
+        engine.step()
+    clear_adapters(engine)
+    left = engine.pager.stats()
+    assert engine.adapters.names() == []
+    assert (left.free_pages, left.adapter_pages, left.kv_pages, left.resident_adapters) == \
+        (fresh.free_pages, 0, 0, 0)
