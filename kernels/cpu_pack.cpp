@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -239,8 +240,9 @@ int64_t transpose_from_file(int64_t fd, int64_t base, at::Tensor byte_offsets, a
   std::vector<uint8_t> bad(count, 0);
   std::atomic<bool> short_read{false};
   at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<uint64_t> buf((largest + 7) / 8);  // 8-byte aligned, whatever the element size
-    auto* b = reinterpret_cast<uint8_t*>(buf.data());
+    // 8-byte aligned whatever the element size, and left uninitialised: pread fills what is read
+    std::unique_ptr<uint64_t[]> buf(new uint64_t[(largest + 7) / 8]);
+    auto* b = reinterpret_cast<uint8_t*>(buf.get());
     for (int64_t k = lo; k < hi && !short_read.load(std::memory_order_relaxed); ++k) {
       const int64_t m = shp[2 * k], n = shp[2 * k + 1], len = m * n * esize;
       for (int64_t got = 0; got < len;) {
