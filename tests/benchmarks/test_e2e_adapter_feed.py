@@ -203,3 +203,27 @@ def test_clear_adapters_leaves_the_pool_as_a_new_engines(setup):
     assert engine.adapters.names() == []
     assert (left.free_pages, left.adapter_pages, left.kv_pages, left.resident_adapters) == \
         (fresh.free_pages, 0, 0, 0)
+
+
+def test_a_sweeps_loads_all_take_pack_plans_learnt_outside_the_clock(setup, tmp_path):
+    """learn_plans meets each rank of the run's adapters once, before the run: inside it every host-cache load is
+    packed by a plan (no miss), as a server's loads are once it has met each shape."""
+    from e2e import scaling
+    from e2e.workload import ensure_adapters
+    from loraplex.kernels.cpu_build import load_extension
+    from native_kernels import require_built
+
+    require_built("cpu_pack", load_extension("cpu_pack") is not None, "packer")  # plans pack through it
+    model, _ = setup
+    cfg = load_model_config(model)
+    names = [f"p{i}-r{4 * (1 + i % 2)}" for i in range(4)]  # two ranks: two plans
+    folders = ensure_adapters(tmp_path / "adapters", cfg, names, seed=5)
+    reqs = [BenchRequest(f"q{i}", 0.0, (3, 4, 5, 6), names[i % len(names)], 2, 1.0) for i in range(8)]
+    engine = EngineCore(EngineConfig(model=str(model), dtype="float32", device="cpu", pool_bytes=8 << 20,
+                                     max_lora_rank=16, kernels="torch"))
+    plans = scaling.pack_plans(engine)
+    scaling.learn_plans(plans, engine, folders)
+    assert (len(plans), plans.misses) == (2, 2)  # one full load of each rank, each teaching its plan
+    _, point = scaling.run_one(engine, reqs, folders, 1 << 30, plans=plans)
+    assert point.host_cache["misses"] == len(names)  # every adapter loaded once in the run...
+    assert (len(plans), plans.misses, plans.hits) == (2, 2, len(names))  # ...each by its plan
