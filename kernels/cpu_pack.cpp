@@ -125,17 +125,56 @@ int64_t run(const std::vector<Src>& srcs, const int64_t* offsets, T* out, T mask
   return -1;
 }
 
-int64_t run_sized(const std::vector<Src>& srcs, const int64_t* off, at::Tensor& out, uint64_t mask) {
+// f(out, mask) with out's data as the unsigned integers of its element size (the copy moves bits only) and the
+// mask checked to fit one: f's answer.
+template <typename F>
+int64_t by_element_size(const at::Tensor& out, uint64_t mask, F&& f) {
   switch (out.element_size()) {
     case 2:
       TORCH_CHECK(mask <= 0xFFFF, "nonfinite_mask wider than the element");
-      return run<uint16_t>(srcs, off, static_cast<uint16_t*>(out.data_ptr()), static_cast<uint16_t>(mask));
+      return f(static_cast<uint16_t*>(out.data_ptr()), static_cast<uint16_t>(mask));
     case 4:
       TORCH_CHECK(mask <= 0xFFFFFFFFull, "nonfinite_mask wider than the element");
-      return run<uint32_t>(srcs, off, static_cast<uint32_t*>(out.data_ptr()), static_cast<uint32_t>(mask));
-    case 8: return run<uint64_t>(srcs, off, static_cast<uint64_t*>(out.data_ptr()), mask);
+      return f(static_cast<uint32_t*>(out.data_ptr()), static_cast<uint32_t>(mask));
+    case 8: return f(static_cast<uint64_t*>(out.data_ptr()), mask);
     default: TORCH_CHECK(false, "element size ", out.element_size(), " is not supported");
   }
+  return -1;
+}
+
+int64_t run_sized(const std::vector<Src>& srcs, const int64_t* off, at::Tensor& out, uint64_t mask) {
+  return by_element_size(out, mask, [&](auto* o, auto m) { return run(srcs, off, o, m); });
+}
+
+// run with every source read from the file fd by the thread that transposes it: matrix k's m x n elements from
+// byte base + boff[k], into a buffer of the thread's (largest: the biggest matrix's bytes). -3 where a read
+// came short or failed (out partly written).
+template <typename T>
+int64_t run_from_file(int fd, int64_t base, const int64_t* boff, const int64_t* shp, const int64_t* off,
+                      int64_t count, int64_t largest, T* out, T mask) {
+  std::vector<uint8_t> bad(count, 0);
+  std::atomic<bool> short_read{false};
+  at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) {
+    std::unique_ptr<T[]> buf(new T[largest / sizeof(T) + 1]);  // uninitialised: pread fills what is read
+    auto* b = reinterpret_cast<uint8_t*>(buf.get());
+    for (int64_t k = lo; k < hi && !short_read.load(std::memory_order_relaxed); ++k) {
+      const int64_t m = shp[2 * k], n = shp[2 * k + 1], len = m * n * static_cast<int64_t>(sizeof(T));
+      for (int64_t got = 0; got < len;) {
+        const ssize_t r = pread(fd, b + got, static_cast<size_t>(len - got), static_cast<off_t>(base + boff[k] + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+          short_read = true;
+          return;
+        }
+        got += r;
+      }
+      transpose_one<T>(buf.get(), m, n, n, 1, out + off[k]);
+      if (mask != 0) bad[k] = any_nonfinite<T>(out + off[k], m * n, mask);
+    }
+  });
+  if (short_read) return -3;
+  for (int64_t k = 0; k < count; ++k)
+    if (bad[k]) return k;
   return -1;
 }
 
@@ -143,6 +182,19 @@ void check_flat_out(const at::Tensor& out, const at::Tensor& offsets, int64_t co
   TORCH_CHECK(out.is_contiguous() && out.dim() == 1 && out.device().is_cpu(), "out must be a flat contiguous CPU tensor");
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() && offsets.numel() == count,
               "offsets: one int64 per source");
+}
+
+// The tables of transpose_from_buffer and transpose_from_file checked: per matrix one byte offset, one shape
+// [rows, cols] and one output offset. Returns the number of matrices.
+int64_t check_matrix_tables(const at::Tensor& byte_offsets, const at::Tensor& shapes, const at::Tensor& out,
+                            const at::Tensor& offsets) {
+  const int64_t count = byte_offsets.numel();
+  check_flat_out(out, offsets, count);
+  TORCH_CHECK(byte_offsets.scalar_type() == at::kLong && byte_offsets.is_contiguous(), "byte_offsets: int64");
+  TORCH_CHECK(shapes.scalar_type() == at::kLong && shapes.is_contiguous() && shapes.dim() == 2 &&
+                  shapes.size(0) == count && shapes.size(1) == 2,
+              "shapes: [count, 2] int64");
+  return count;
 }
 
 }  // namespace
@@ -177,12 +229,7 @@ int64_t transpose_from_buffer(py::buffer data, int64_t base, at::Tensor byte_off
                               at::Tensor out, at::Tensor offsets, int64_t nonfinite_mask) {
   const py::buffer_info info = data.request();  // with the GIL: released below, for the copy only
   TORCH_CHECK(info.ndim == 1 && info.itemsize == 1 && info.strides[0] == 1, "data must be a flat byte buffer");
-  const int64_t count = byte_offsets.numel();
-  check_flat_out(out, offsets, count);
-  TORCH_CHECK(byte_offsets.scalar_type() == at::kLong && byte_offsets.is_contiguous(), "byte_offsets: int64");
-  TORCH_CHECK(shapes.scalar_type() == at::kLong && shapes.is_contiguous() && shapes.dim() == 2 &&
-                  shapes.size(0) == count && shapes.size(1) == 2,
-              "shapes: [count, 2] int64");
+  const int64_t count = check_matrix_tables(byte_offsets, shapes, out, offsets);
   const int64_t size = static_cast<int64_t>(info.size);
   const int64_t esize = out.element_size();
   const auto* bytes = static_cast<const uint8_t*>(info.ptr);
@@ -215,17 +262,9 @@ int64_t transpose_from_buffer(py::buffer data, int64_t base, at::Tensor byte_off
 // then takes its full path, which says what is wrong with the file. Otherwise returns as transpose_into does.
 int64_t transpose_from_file(int64_t fd, int64_t base, at::Tensor byte_offsets, at::Tensor shapes, at::Tensor out,
                             at::Tensor offsets, int64_t nonfinite_mask) {
-  const int64_t count = byte_offsets.numel();
-  check_flat_out(out, offsets, count);
-  TORCH_CHECK(byte_offsets.scalar_type() == at::kLong && byte_offsets.is_contiguous(), "byte_offsets: int64");
-  TORCH_CHECK(shapes.scalar_type() == at::kLong && shapes.is_contiguous() && shapes.dim() == 2 &&
-                  shapes.size(0) == count && shapes.size(1) == 2,
-              "shapes: [count, 2] int64");
-  TORCH_CHECK(fd >= 0 && base >= 0, "fd and base must not be negative");
+  const int64_t count = check_matrix_tables(byte_offsets, shapes, out, offsets);
+  TORCH_CHECK(fd >= 0 && fd <= INT32_MAX && base >= 0, "fd and base must not be negative");
   const int64_t esize = out.element_size();
-  TORCH_CHECK(esize == 2 || esize == 4 || esize == 8, "element size ", esize, " is not supported");
-  const uint64_t mask = static_cast<uint64_t>(nonfinite_mask);
-  TORCH_CHECK(esize == 8 || mask < (uint64_t{1} << (8 * esize)), "nonfinite_mask wider than the element");
   const int64_t* boff = byte_offsets.data_ptr<int64_t>();
   const int64_t* shp = shapes.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
@@ -236,45 +275,9 @@ int64_t transpose_from_file(int64_t fd, int64_t base, at::Tensor byte_offsets, a
     TORCH_CHECK(off[k] >= 0 && off[k] + m * n <= out.numel(), "matrix ", k, " does not fit in out");
     largest = std::max(largest, m * n * esize);
   }
-  auto* dst = static_cast<uint8_t*>(out.data_ptr());
-  std::vector<uint8_t> bad(count, 0);
-  std::atomic<bool> short_read{false};
-  at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) {
-    // 8-byte aligned whatever the element size, and left uninitialised: pread fills what is read
-    std::unique_ptr<uint64_t[]> buf(new uint64_t[(largest + 7) / 8]);
-    auto* b = reinterpret_cast<uint8_t*>(buf.get());
-    for (int64_t k = lo; k < hi && !short_read.load(std::memory_order_relaxed); ++k) {
-      const int64_t m = shp[2 * k], n = shp[2 * k + 1], len = m * n * esize;
-      for (int64_t got = 0; got < len;) {
-        const ssize_t r = pread(static_cast<int>(fd), b + got, static_cast<size_t>(len - got),
-                                static_cast<off_t>(base + boff[k] + got));
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-          short_read = true;
-          return;
-        }
-        got += r;
-      }
-      uint8_t* d = dst + off[k] * esize;
-      switch (esize) {
-        case 2:
-          transpose_one<uint16_t>(reinterpret_cast<const uint16_t*>(b), m, n, n, 1, reinterpret_cast<uint16_t*>(d));
-          if (mask) bad[k] = any_nonfinite<uint16_t>(reinterpret_cast<const uint16_t*>(d), m * n, mask);
-          break;
-        case 4:
-          transpose_one<uint32_t>(reinterpret_cast<const uint32_t*>(b), m, n, n, 1, reinterpret_cast<uint32_t*>(d));
-          if (mask) bad[k] = any_nonfinite<uint32_t>(reinterpret_cast<const uint32_t*>(d), m * n, mask);
-          break;
-        default:
-          transpose_one<uint64_t>(reinterpret_cast<const uint64_t*>(b), m, n, n, 1, reinterpret_cast<uint64_t*>(d));
-          if (mask) bad[k] = any_nonfinite<uint64_t>(reinterpret_cast<const uint64_t*>(d), m * n, mask);
-      }
-    }
+  return by_element_size(out, static_cast<uint64_t>(nonfinite_mask), [&](auto* o, auto mask) {
+    return run_from_file(static_cast<int>(fd), base, boff, shp, off, count, largest, o, mask);
   });
-  if (short_read) return -3;
-  for (int64_t k = 0; k < count; ++k)
-    if (bad[k]) return k;
-  return -1;
 }
 
 // The OpenMP regions the calling thread starts from now on (torch's intra-op work, these kernels') run on
