@@ -12,14 +12,16 @@ are all forgotten (clear_adapters: no host copy, no pool page, no KV page left) 
 each run starts as on a new engine, without loading the model and warming up again (4-6 s a run). On an AMD EPYC
 Zen 4 (thirty-third session, /tmp script, the quick preset's 1- and 1000-adapter runs, three of each way
 alternating in one process) a new engine per run took 8.5-11.2 s a run with its set-up against 4.9-5.3 s, for
-walls of 4.46-5.08 s against 4.54-5.01 s: a 1 -> 1000 loss of 0.078 against 0.074. Loads are fed through systems.AdapterFeed in one of two ways:
-on the engine thread as each request arrives (the default on the CPU), or as the server feeds them
-(prefetch_loads, the default on a GPU): started on the host cache's prefetch thread when the request arrives,
-the request joining the engine once its adapter is decoded. On a 2-core CPU the engine's two threads and the
-prefetch thread then share the cores, and the offline burst ran slower that way (Intel Xeon, fourteenth
-session, 6 runs each alternating in one process, median walls: 100 adapters 5.49 s on the engine thread
-against 5.86 prefetched, 1000 adapters 5.78 against 6.11): a load on the engine thread copies with both
-cores and stalls no parallel region. Either way the loads' cost is inside the measured time.
+walls of 4.46-5.08 s against 4.54-5.01 s: a 1 -> 1000 loss of 0.078 against 0.074. The sweep's pack plans live
+as long as its engine, as a server's loader's do (learn_plans).
+
+Loads are fed through systems.AdapterFeed in one of two ways: on the engine thread as each request arrives (the
+default on the CPU), or as the server feeds them (prefetch_loads, the default on a GPU): started on the host
+cache's prefetch thread when the request arrives, the request joining the engine once its adapter is decoded.
+On a 2-core CPU the engine's two threads and the prefetch thread then share the cores, and the offline burst ran
+slower that way (Intel Xeon, fourteenth session, 6 runs each alternating in one process, median walls: 100
+adapters 5.49 s on the engine thread against 5.86 prefetched, 1000 adapters 5.78 against 6.11): a load on the
+engine thread copies with both cores and stalls no parallel region. Either way the loads' cost is inside the measured time.
 
 With repeats > 1 the sweep runs again in mirrored order (1, 10, 100, 1000, 1000, 100, 10, 1, ...): a
 CPU whose speed drifts over minutes (the AMD dev machine's matmul rate moved between 40 and 60 GFLOP/s)
@@ -252,6 +254,7 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
         folders = ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed)
         log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
         if engine is None:
+            gc.collect()  # the earlier parts' engines, held by reference cycles: freed before this one's pool
             engine = EngineCore(engine_config)
             plans = pack_plans(engine)
         learn_plans(plans, engine, folders)  # outside the clock

@@ -230,7 +230,8 @@ def test_packing_from_a_file_writes_what_packing_from_its_bytes_does(tmp_path, d
         for how in ("buffer", "file"):
             out = torch.full((int(sizes.sum()) + 4,), float("nan"), dtype=dtype)
             if how == "buffer":
-                codes.append(ext.transpose_from_buffer(path.read_bytes(), base, byte_offsets, shapes, out, offsets, mask))
+                codes.append(ext.transpose_from_buffer(path.read_bytes(), base, byte_offsets, shapes, out, offsets,
+                                                       mask))
             else:
                 with path.open("rb") as f:
                     codes.append(ext.transpose_from_file(f.fileno(), base, byte_offsets, shapes, out, offsets, mask))
@@ -268,7 +269,8 @@ def test_packing_from_a_file_that_came_short_says_so(tmp_path):
     out = torch.zeros(int(sizes.sum()))
     with path.open("r+b") as f:
         f.truncate(path.stat().st_size - 4)  # the last matrix in the file loses its last element
-        assert ext.transpose_from_file(f.fileno(), base, byte_offsets, shapes, out, offsets, _MASKS[torch.float32]) == -3
+        mask = _MASKS[torch.float32]
+        assert ext.transpose_from_file(f.fileno(), base, byte_offsets, shapes, out, offsets, mask) == -3
         out.zero_()
         args = (torch.tensor([[2, 3]]), out, torch.tensor([0]), 0)
         for fd, b, offset, match in ((f.fileno(), -4, 0, "negative"), (-1, 0, 0, "negative"),
@@ -281,6 +283,7 @@ def test_packing_from_a_file_that_came_short_says_so(tmp_path):
         assert torch.equal(out, torch.zeros_like(out))
     fd = os.open(tmp_path, os.O_RDONLY)  # a read that fails (EISDIR) rather than comes short
     try:
-        assert ext.transpose_from_file(fd, 0, torch.tensor([0]), torch.tensor([[2, 3]]), out, torch.tensor([0]), 0) == -3
+        assert ext.transpose_from_file(fd, 0, torch.tensor([0]), torch.tensor([[2, 3]]), out, torch.tensor([0]),
+                                       0) == -3
     finally:
         os.close(fd)
