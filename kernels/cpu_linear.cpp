@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -64,11 +65,12 @@ inline void store(float* p, vec v) { *reinterpret_cast<vec_u*>(p) = v; }
 // H is the prefetches' locality hint: 2 (prefetcht1) everywhere but on AMD CPUs at 24 rows or more, where
 // 3 (prefetcht0) measured faster (l1_prefetch below).
 // LoRA epilogue of a block (linear_lora): acc += s @ B^T[:, the panel's columns], s [R, rank] (row
-// stride ss, scale applied), bcol[k] the panel's NR columns of B^T's row k. rank 0: none.
+// stride ss, scale applied), bt [rank, NR] the panel's NR columns of B^T, copied out of the pool (LoraPlan::at).
+// rank 0: none.
 struct Epilogue {
   const float* s;
   int64_t ss;
-  const float* const* bcol;
+  const float* bt;
   int rank;
 };
 
@@ -130,7 +132,7 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
   if (k < K) fma_k<R>(a0, a1, x, xs, k, w + k * NR);
   // The adapter's delta joins the accumulators before the one store: y is written once, where a
   // separate SGMV pass would read and write it again (at prefill sizes, from L3 or memory).
-  for (int k = 0; k < lora.rank; ++k) fma_k<R>(a0, a1, lora.s, lora.ss, k, lora.bcol[k]);
+  for (int k = 0; k < lora.rank; ++k) fma_k<R>(a0, a1, lora.s, lora.ss, k, lora.bt + k * NR);
   vec b0{}, b1{};
   if (bias != nullptr && ncols == NR) b0 = load(bias), b1 = load(bias + V);
 #pragma GCC unroll 16
@@ -195,7 +197,7 @@ void rows_by_panel(const float* x, int64_t xs, int64_t m0, int64_t m, const floa
   int64_t r0 = m0;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t rows = base + (b < extra ? 1 : 0);
-    const Epilogue e{lora.s == nullptr ? nullptr : lora.s + (r0 - m0) * lora.ss, lora.ss, lora.bcol, lora.rank};
+    const Epilogue e{lora.s == nullptr ? nullptr : lora.s + (r0 - m0) * lora.ss, lora.ss, lora.bt, lora.rank};
     blocks[rows - 1](x + r0 * xs, xs, w, K, y + r0 * ys, ys, ncols, bias, next, static_cast<int>(b),
                      static_cast<int>(nb), e);
     r0 += rows;
@@ -214,8 +216,16 @@ struct LoraPlan {
   std::vector<int64_t> modules, bounds, s_cols;  // module i: output columns [bounds[i], bounds[i + 1])
   std::vector<Piece> pieces;                     // in row order, covering every row
 
-  // The epilogue of segment seg's rows (from row r) at panel columns [c, c + NR).
-  Epilogue at(int64_t seg, int64_t r, int64_t c, const float** bcol) const {
+  // The epilogue of segment seg's rows (from row r) at panel columns [c, c + NR), its B^T columns copied into
+  // bt [rank, NR]. Why a copy: the piece's blocks each read all of them after their K loop has streamed the
+  // panel (K x NR floats, more than L1) through L1, and in the pool B^T's rows lie `out` floats apart: at
+  // gate/up's 1536 that is 96 lines, so a rank-16 adapter's 32 lines of them fall in 4 of L1's 64 sets (Zen 4:
+  // 32 KB, 8 ways) and evict one another; back to back they take 32 sets. Read in place, B^T cost 0.6 of the epilogue's 2.2 ms at gate/up and 1.2 of 4.0 over a
+  // layer (against B^T read from one buffer in L1). The copy, the same sums bit for bit: one layer, 16 x 128
+  // tokens at rank 16, paired medians of 40 and 80 rounds, ms added to the GEMMs (AMD EPYC Zen 4, RESULTS.md,
+  // thirty-third session): qkv 0.60 -> 0.54 and 0.64 -> 0.53, o 0.37 -> 0.30 and 0.34 -> 0.27, gate/up 2.04 ->
+  // 1.83 and 2.53 -> 2.27, down 0.38 -> 0.36 and 0.41 -> 0.37.
+  Epilogue at(int64_t seg, int64_t r, int64_t c, float* bt) const {
     size_t i = 0;
     while (c >= bounds[i + 1]) ++i;
     const int32_t* l = tb.entry(seg, layer, modules[i]);
@@ -225,8 +235,18 @@ struct LoraPlan {
     int64_t run;
     // B^T [rank, out] is stored row-major from logical row b_row; NR columns lie in one D-wide pool row.
     const int64_t first = static_cast<int64_t>(l[2]) * tb.d + (c - bounds[i]);
-    for (int k = 0; k < rank; ++k) bcol[k] = pg.at(first + k * out, &run);
-    return Epilogue{s + r * ss + s_cols[i], ss, bcol, rank};
+    for (int k = 0; k < rank; ++k) {
+      const float* src = pg.at(first + k * out, &run);
+      std::memcpy(bt + k * NR, src, NR * sizeof(float));
+      // The same row of B^T at the next panel's columns (NR floats on: the same pool row, or the next one,
+      // which follows it unless a page ends there; a prefetch of a wrong address is harmless), asked for now,
+      // a whole panel of blocks before it is copied: each piece's first block otherwise waited on rank lines
+      // from memory. benchmarks/cpu_lora_prefill_bench.py on the AMD EPYC Zen 1 (2 threads, builds
+      // alternating in one process): what fused adds, paired medians, 16 segments 18.2 -> 15.5 and 17.5 ->
+      // 14.5 ms, 8 segments (80 rounds) 9.35 -> 8.84.
+      __builtin_prefetch(src + NR, 0, 2);
+    }
+    return Epilogue{s + r * ss + s_cols[i], ss, bt, rank};
   }
 };
 
@@ -258,7 +278,7 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
   const LoraPlan::Piece whole{0, M, -1};
   const auto& blocks = BLOCKS[l1_prefetch(M) ? 1 : 0];
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    const float* bcol[LoraPlan::MAX_RANK];
+    alignas(64) float bt[LoraPlan::MAX_RANK * NR];  // LoraPlan::at's copy of B^T's columns
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t m1 = std::min(chunk, M - m0) + m0;
       for (int64_t p = p0; p < p1; ++p) {
@@ -269,14 +289,7 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
         for (; pc != end; ++pc) {  // the chunk's rows cut where the adapter changes
           const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
           if (a >= b) continue;
-          const Epilogue e = pc->seg >= 0 ? plan->at(pc->seg, a, p * NR, bcol) : Epilogue{nullptr, 0, nullptr, 0};
-          // The same rows of B^T at the next panel's columns (NR floats on: the same pool row, or the next one,
-          // which follows it unless a page ends there; a prefetch of a wrong address is harmless), asked for
-          // now, a whole panel of blocks before they are used: each piece's first block otherwise waited on
-          // rank lines from memory in its epilogue. benchmarks/cpu_lora_prefill_bench.py on the AMD EPYC Zen 1
-          // (2 threads, builds alternating in one process): what fused adds, paired medians, 16 segments
-          // 18.2 -> 15.5 and 17.5 -> 14.5 ms, 8 segments (80 rounds) 9.35 -> 8.84.
-          for (int k = 0; k < e.rank; ++k) __builtin_prefetch(bcol[k] + NR, 0, 2);
+          const Epilogue e = pc->seg >= 0 ? plan->at(pc->seg, a, p * NR, bt) : Epilogue{nullptr, 0, nullptr, 0};
           rows_by_panel(xp, xs, a, b - a, wp + p * K * NR, K, yp + p * NR, n, ncols,
                         bp == nullptr ? nullptr : bp + p * NR, next, e, blocks);
           next = nullptr;
