@@ -220,11 +220,12 @@ struct LoraPlan {
   // bt [rank, NR]. Why a copy: the piece's blocks each read all of them after their K loop has streamed the
   // panel (K x NR floats, more than L1) through L1, and in the pool B^T's rows lie `out` floats apart: at
   // gate/up's 1536 that is 96 lines, so a rank-16 adapter's 32 lines of them fall in 4 of L1's 64 sets (Zen 4:
-  // 32 KB, 8 ways) and evict one another; back to back they take 32 sets. Read in place, B^T cost 0.6 of the epilogue's 2.2 ms at gate/up and 1.2 of 4.0 over a
-  // layer (against B^T read from one buffer in L1). The copy, the same sums bit for bit: one layer, 16 x 128
-  // tokens at rank 16, paired medians of 40 and 80 rounds, ms added to the GEMMs (AMD EPYC Zen 4, RESULTS.md,
-  // thirty-third session): qkv 0.60 -> 0.54 and 0.64 -> 0.53, o 0.37 -> 0.30 and 0.34 -> 0.27, gate/up 2.04 ->
-  // 1.83 and 2.53 -> 2.27, down 0.38 -> 0.36 and 0.41 -> 0.37.
+  // 32 KB, 8 ways) and evict one another; back to back they take 32 sets. Read in place, B^T cost 0.6 of the
+  // epilogue's 2.2 ms at gate/up and 1.2 of 4.0 over a layer (against B^T read from one buffer in L1). The
+  // copy, the same sums bit for bit: one layer, 16 x 128 tokens at rank 16, paired medians of 40 and 80
+  // rounds, ms added to the GEMMs (AMD EPYC Zen 4, RESULTS.md, thirty-third session): qkv 0.60 -> 0.54 and
+  // 0.64 -> 0.53, o 0.37 -> 0.30 and 0.34 -> 0.27, gate/up 2.04 -> 1.83 and 2.53 -> 2.27, down 0.38 -> 0.36
+  // and 0.41 -> 0.37.
   Epilogue at(int64_t seg, int64_t r, int64_t c, float* bt) const {
     size_t i = 0;
     while (c >= bounds[i + 1]) ++i;
