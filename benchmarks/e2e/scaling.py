@@ -21,7 +21,8 @@ cache's prefetch thread when the request arrives, the request joining the engine
 On a 2-core CPU the engine's two threads and the prefetch thread then share the cores, and the offline burst ran
 slower that way (Intel Xeon, fourteenth session, 6 runs each alternating in one process, median walls: 100
 adapters 5.49 s on the engine thread against 5.86 prefetched, 1000 adapters 5.78 against 6.11): a load on the
-engine thread copies with both cores and stalls no parallel region. Either way the loads' cost is inside the measured time.
+engine thread copies with both cores and stalls no parallel region. Either way the loads' cost is inside the
+measured time.
 
 With repeats > 1 the sweep runs again in mirrored order (1, 10, 100, 1000, 1000, 100, 10, 1, ...): a
 CPU whose speed drifts over minutes (the AMD dev machine's matmul rate moved between 40 and 60 GFLOP/s)
@@ -84,8 +85,6 @@ class FolderStore:
                  plans: PackPlans | None = None):
         self.config = _StoreConfig(engine.config.dtype, engine.config.max_lora_rank)
         self._model = engine.model_config
-        self._dtype = engine.config.torch_dtype
-        self._layout = RowLayout.for_model(self._model, self._dtype)
         # The pack plans, as the store's loader has them: learnt once per process (pack_plans), not per run.
         self._plans = plans or pack_plans(engine)
         now = datetime.now(timezone.utc)
@@ -99,8 +98,8 @@ class FolderStore:
 
     def _load(self, ref: AdapterPublic) -> tuple[LoraAdapter, LoadTimings]:
         t0 = time.perf_counter()
-        packed = load_packed_folder(ref.name, ref.storage_key, self._model, self.config.max_lora_rank, self._layout,
-                                    plans=self._plans)
+        packed = load_packed_folder(ref.name, ref.storage_key, self._model, self.config.max_lora_rank,
+                                    self._plans.layout, plans=self._plans)
         return packed, LoadTimings(0.0, 0.0, time.perf_counter() - t0, packed.nbytes, 0.0)
 
     def resolve(self, tenant_id: str, name: str) -> AdapterPublic:
@@ -239,25 +238,25 @@ def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence
                 log=print, repeats: int = 1, prefetch_loads: bool = False) -> list[ScalingPoint]:
     """The first `num_requests` requests of `spec`'s trace regenerated with each adapter count, the sweep
     run `repeats` times in alternating order (see the module's docstring for prefetch_loads)."""
-    runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
-    model_cfg = None
-    engine, plans = None, None
-    order = [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
-    for n in order:
+    from loraplex.models.config import load_model_config
+    from loraplex.models.default_model import resolve_model_path
+
+    model_cfg = load_model_config(resolve_model_path(engine_config.model, engine_config.cache_dir))
+    workloads = {}  # N -> (its requests, their adapters' folders), the same in every repeat
+    for n in counts:
         trace = T.generate(dataclasses.replace(spec, num_adapters=n))[:num_requests]
-        if model_cfg is None:
-            from loraplex.models.config import load_model_config
-            from loraplex.models.default_model import resolve_model_path
-            model_cfg = load_model_config(resolve_model_path(engine_config.model, engine_config.cache_dir))
         reqs = all_at_once(requests_from_trace(trace, model_cfg.vocab_size, seed,
                                                max_len=model_cfg.max_model_len))
-        folders = ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed)
+        workloads[n] = (reqs, ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed))
+    gc.collect()  # the earlier parts' engines, held by reference cycles: freed before this one's pool
+    engine = EngineCore(engine_config)
+    plans = pack_plans(engine)
+    learn_plans(plans, engine, {name: path for _, folders in workloads.values() for name, path in folders.items()})
+    runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
+    order = [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
+    for n in order:
+        reqs, folders = workloads[n]
         log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
-        if engine is None:
-            gc.collect()  # the earlier parts' engines, held by reference cycles: freed before this one's pool
-            engine = EngineCore(engine_config)
-            plans = pack_plans(engine)
-        learn_plans(plans, engine, folders)  # outside the clock
         _, point = run_one(engine, reqs, folders, host_cache_bytes, prefetch_loads, plans)
         point = dataclasses.replace(point, adapters=n)
         hc = point.host_cache
@@ -290,9 +289,9 @@ def extra_seconds(p: ScalingPoint, ref: ScalingPoint, ceilings: Ceilings) -> flo
     flops = (p.lora_flops - ref.lora_flops) / (ceilings.matmul_gflops * 1e9)
     if ceilings.h2d_gbps is None or ceilings.host_read_gbps is None:
         return step + (p.load_bytes - ref.load_bytes) / (ceilings.read_gbps * 1e9) + flops
-    host = (p.load_bytes - p.pool_load_bytes) - (ref.load_bytes - ref.pool_load_bytes)
+    host = host_load_floor_seconds(p, ceilings) - host_load_floor_seconds(ref, ceilings)
     pool = p.pool_load_bytes - ref.pool_load_bytes
-    return step + host / (ceilings.host_read_gbps * 1e9) + pool / (ceilings.h2d_gbps * 1e9) + flops
+    return step + host + pool / (ceilings.h2d_gbps * 1e9) + flops
 
 
 def host_load_floor_seconds(p: ScalingPoint, ceilings: Ceilings) -> float:
