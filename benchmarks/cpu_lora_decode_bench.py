@@ -8,6 +8,12 @@ step's floor is the adapter bytes it reads (every A^T and B^T once) over the rea
 same run (a sum over a 512 MiB tensor); a second reference is a plain read of the same pool pages
 (torch.sum over them), which pays the pool's page layout and nothing else.
 
+With --with-gemm the step also runs as the engine's decode step runs it: each projection's packed GEMM
+(cpu_linear, random weights of the layer's shapes, every layer its own, so that they stream from memory as the
+model's do) and then its LoRA, as path 'gemm+sgmv', beside the GEMMs alone ('gemm'). What gemm+sgmv adds to
+gemm (the median of same-round differences) is the LoRA's cost inside a step: the GEMMs' weight stream takes the
+cache and the memory's bandwidth from it, where 'sgmv' alone runs after other steps of its own.
+
 With --baseline-source (other cpu_sgmv.cpp files, e.g. `git show REV:kernels/cpu_sgmv.cpp`) their builds run
 the same step as path 'baseline' (or each under its file name). The paths alternate, step by step, in one
 process (this CPU's speed drifts over minutes), and the table gives each one's 25th-percentile step time.
@@ -15,7 +21,7 @@ Writes JSON (--out).
 
 Usage:
     .venv/bin/python benchmarks/cpu_lora_decode_bench.py [--batch 64] [--adapters 30] [--ranks 8 16] [--reps 30]
-                                                       [--threads N] [--baseline-source OLD.cpp ...]
+                                                       [--threads N] [--with-gemm] [--baseline-source OLD.cpp ...]
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from loraplex.kernels import LoraBatch, LoraSegment, cpu_sgmv
+from loraplex.kernels import LoraBatch, LoraSegment, cpu_linear, cpu_sgmv
 from loraplex.kernels.cpu_build import baseline_builds
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
 from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--with-gemm", action="store_true",
+                    help="also time each layer's packed GEMMs, alone and each followed by its LoRA")
     ap.add_argument("--baseline-source", nargs="+", default=[],
                     help="other cpu_sgmv.cpp files: the same step through each one's build, as path 'baseline' "
                          "(one file) or by file name")
@@ -74,6 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     if not cpu_sgmv.available():
         raise SystemExit("needs the C++ kernel (kernels.cpu_build.build_error('cpu_sgmv'))")
+    if args.with_gemm and not cpu_linear.available():
+        raise SystemExit("--with-gemm needs the packed GEMM (kernels.cpu_build.build_error('cpu_linear'))")
     gen = torch.Generator().manual_seed(int(time.time()))
     lengths = [n for n in segment_lengths(args.batch, args.adapters) if n]
     adapters = [random_adapter(f"a{i}", args.ranks[i % len(args.ranks)], args.layers, gen) for i in range(len(lengths))]
@@ -106,6 +117,21 @@ def main(argv: list[str] | None = None) -> dict:
         pool.tensor[:first].sum()
 
     calls = {"sgmv": step_with(None), "read": plain_read}
+    if args.with_gemm:
+        # [layer][projection]: the fused projection's weight [out, in], packed
+        weights = [[cpu_linear.pack(torch.randn(b[-1], k, generator=gen) / k**0.5) for _, b, k in PROJECTIONS]
+                   for _ in range(args.layers)]
+
+        def gemm_step(lora_too: bool):
+            def run() -> None:
+                for layer in range(args.layers):
+                    for (mods, b, k), w in zip(PROJECTIONS, weights[layer]):
+                        y = cpu_linear.linear(xs[k], w, None)
+                        if lora_too:
+                            cpu_sgmv.apply_lora_group(y, xs[k], rows, lora, layer, mods, b)
+            return run
+
+        calls["gemm"], calls["gemm+sgmv"] = gemm_step(False), gemm_step(True)
     for name, ext in baseline_builds(args.baseline_source, "baseline_cpu_sgmv").items():
         calls[name] = step_with(ext)
     roof = measure_roofline()
@@ -117,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
             if rep:  # the first round warms every path
                 times[name].append(time.perf_counter() - t)
     q1 = {name: sorted(ts)[len(ts) // 4] for name, ts in times.items()}
+    # what the LoRA adds to the GEMMs: the median of same-round differences
+    added = {"gemm+sgmv": statistics.median(a - b for a, b in zip(times["gemm+sgmv"], times["gemm"]))} \
+        if args.with_gemm else {}
     floor_s = adapter_bytes / (roof.read_gbps * 1e9)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "batch": args.batch, "layers": args.layers, "adapters": len(adapters), "ranks": args.ranks,
@@ -124,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
               "adapter_mb": adapter_bytes / 1e6, "read_gbps": roof.read_gbps, "floor_ms": floor_s * 1e3,
               "ms_q1": {k: v * 1e3 for k, v in q1.items()},
               "gbps": {k: adapter_bytes / v / 1e9 for k, v in q1.items()},
+              "added_to_gemm_ms": {k: v * 1e3 for k, v in added.items()},
               "all_ms": {k: [t * 1e3 for t in ts] for k, ts in times.items()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +164,12 @@ def main(argv: list[str] | None = None) -> dict:
     print("| path | ms (25th pct) | GB/s of adapter bytes | / floor |")
     print("|---|---|---|---|")
     for name, t in q1.items():
+        if name in ("gemm", "gemm+sgmv"):
+            continue
         print(f"| {name} | {t * 1e3:.2f} | {adapter_bytes / t / 1e9:.1f} | {t / floor_s:.2f} |")
+    for name, t in added.items():
+        print(f"| {name} - gemm ({q1['gemm'] * 1e3:.2f} ms alone) | {t * 1e3:.2f} | {adapter_bytes / t / 1e9:.1f} | "
+              f"{t / floor_s:.2f} |")
     print(f"wrote {out}")
     return result
 

@@ -1,4 +1,5 @@
-"""benchmarks/cpu_lora_decode_bench.py on a small step: both paths run, the floor is the adapters' bytes."""
+"""benchmarks/cpu_lora_decode_bench.py on a small step: the paths run, the floor is the adapters' bytes, and
+--with-gemm reports what the LoRA adds to the GEMMs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from loraplex.kernels import cpu_sgmv
+from loraplex.kernels import cpu_linear, cpu_sgmv
 from native_kernels import require_built
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -40,3 +41,22 @@ def test_baseline_sources_with_one_file_name_are_refused_before_any_build(tmp_pa
     with pytest.raises(ValueError, match="distinct file names"):
         baseline_builds([a, b], "baseline_cpu_sgmv")
     assert baseline_builds([], "baseline_cpu_sgmv") == {}
+
+
+def test_with_gemm_times_the_gemms_alone_and_with_the_lora_and_reports_the_difference(tmp_path):
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    require_built("cpu_linear", cpu_linear.available(), "packed GEMM")
+    result = cpu_lora_decode_bench.main(["--batch", "4", "--adapters", "2", "--ranks", "8", "--layers", "1",
+                                         "--reps", "3", "--with-gemm", "--out", str(tmp_path / "decode.json")])
+    assert set(result["ms_q1"]) == {"sgmv", "read", "gemm", "gemm+sgmv"}
+    both, alone = result["all_ms"]["gemm+sgmv"], result["all_ms"]["gemm"]
+    assert len(both) == len(alone) == 3
+    diffs = sorted(a - b for a, b in zip(both, alone))
+    assert result["added_to_gemm_ms"] == {"gemm+sgmv": pytest.approx(diffs[1])}  # the median of three rounds
+
+
+def test_without_gemm_no_gemm_paths_are_timed(tmp_path):
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    result = cpu_lora_decode_bench.main(["--batch", "2", "--adapters", "1", "--ranks", "8", "--layers", "1",
+                                         "--reps", "1", "--out", str(tmp_path / "decode.json")])
+    assert set(result["ms_q1"]) == {"sgmv", "read"} and result["added_to_gemm_ms"] == {}
