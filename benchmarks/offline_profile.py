@@ -1,0 +1,197 @@
+"""Where an offline run's time goes inside the engine's steps: each kind of call, with adapters and without.
+
+The e2e harness (e2e/run.py) gives an offline run's wall and the adapters' loss against the floor; this splits
+them by what the model calls. The e2e preset's trace (its requests all at once, as the offline part serves them)
+runs on one engine with its adapters (A) and without (B), in rounds A B B A ..., and the calls are timed where the
+engine makes them (wall seconds of the calling thread, the kernels' own threads inside them):
+- gemm: the packed projections without LoRA, the LM head among them;
+- gemm_lora: the projections with the prefill LoRA in the GEMM's epilogue (cpu_lora_gemm.linear_lora), and
+  shrink, its first half (cpu_lora_gemm.shrink; counted inside gemm_lora too);
+- apply_lora_group: the LoRA of decode tokens and short prefill segments (the kernel set's);
+- paged_attention, write_kv; rms_norm, add_rms_norm, rope, swiglu (the model's pointwise ops);
+- step: EngineCore.step as a whole; other: step minus the calls above (scheduling, sampling, Python).
+Each is split by step kind: prefill (a step holding a prompt chunk, with or without decode tokens) and decode.
+Per run A and B the medians over rounds, and A minus B: where the adapters' extra time goes.
+
+Sessions had written `/tmp` scripts of this kind again and again (RESULTS.md); this one keeps the split one
+command.
+
+    .venv/bin/python benchmarks/offline_profile.py [--preset quick] [--rounds 2] [--work-dir DIR] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(_BENCH))
+
+import torch  # noqa: E402
+
+import traces as T  # noqa: E402
+from e2e.run import MiB, PRESETS, trace_spec  # noqa: E402
+from e2e.systems import LoraplexSystem  # noqa: E402
+from e2e.workload import all_at_once, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
+from loraplex.config import EngineConfig  # noqa: E402
+from loraplex.engine import EngineCore  # noqa: E402
+from loraplex.kernels import cpu_lora_gemm  # noqa: E402
+from loraplex.models import llama  # noqa: E402
+
+KINDS = ("prefill", "decode")
+CALLS = ("gemm", "gemm_lora", "shrink", "apply_lora_group", "paged_attention", "write_kv", "rms_norm",
+         "add_rms_norm", "rope", "swiglu")
+# Calls that nest inside another timed call, left out of "other" (shrink runs inside gemm_lora).
+NESTED = ("shrink",)
+
+
+class Timers:
+    """Seconds per (step kind, call name) since the last reset; the kind is the step's being run."""
+
+    def __init__(self) -> None:
+        self.kind = "decode"
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[(self.kind, name)] += time.perf_counter() - t
+        return timed
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """The seconds by kind and call (every call named, 0 where none ran), other added; then reset."""
+        out = {k: {c: self.seconds.get((k, c), 0.0) for c in (*CALLS, "step")} for k in KINDS}
+        for k in KINDS:
+            timed = sum(v for c, v in out[k].items() if c not in ("step", *NESTED))
+            out[k]["other"] = out[k]["step"] - timed
+        self.seconds.clear()
+        return out
+
+
+@contextmanager
+def _replaced(obj, name: str, value) -> Iterator[None]:
+    before = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, before)
+
+
+@contextmanager
+def _shadowed(obj, name: str, value) -> Iterator[None]:
+    """An instance attribute over the class's method while inside."""
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        delattr(obj, name)
+
+
+@contextmanager
+def timed_engine(engine: EngineCore, timers: Timers) -> Iterator[None]:
+    """The engine's calls timed into timers while inside; everything as it was afterwards."""
+    ops = engine.runner.ops
+    model = engine.model
+    pw = ops.pointwise or model.pointwise
+    timed_pw = dataclasses.replace(pw, **{n: timers.wrap(n, getattr(pw, n))
+                                          for n in ("rms_norm", "add_rms_norm", "rope", "swiglu")})
+    timed_ops = dataclasses.replace(ops, pointwise=timed_pw,
+                                    **{n: timers.wrap(n, getattr(ops, n))
+                                       for n in ("apply_lora_group", "paged_attention", "write_kv")})
+    forward = model.forward
+
+    def forward_of_kind(step, *args, **kwargs):
+        # A prefill step runs more tokens than it samples (its prompt chunks); a decode step one per request.
+        timers.kind = "prefill" if step.input_ids.shape[0] > step.logits_index.shape[0] else "decode"
+        return forward(step, *args, **kwargs)
+
+    step = engine.step
+
+    def timed_step():
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:  # the kind of the step just run, set by its forward
+            timers.seconds[(timers.kind, "step")] += time.perf_counter() - t
+
+    with _replaced(engine.runner, "ops", timed_ops), _shadowed(model, "forward", forward_of_kind), \
+            _shadowed(engine, "step", timed_step), _replaced(llama, "linear", timers.wrap("gemm", llama.linear)), \
+            _replaced(cpu_lora_gemm, "linear_lora", timers.wrap("gemm_lora", cpu_lora_gemm.linear_lora)), \
+            _replaced(cpu_lora_gemm, "shrink", timers.wrap("shrink", cpu_lora_gemm.shrink)):
+        yield
+
+
+def _medians(runs: list[dict]) -> dict[str, dict[str, float]]:
+    return {k: {c: statistics.median(r["seconds"][k][c] for r in runs) for c in runs[0]["seconds"][k]} for k in KINDS}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    ap.add_argument("--model", default="default", help="a checkpoint folder (default: the packaged default model)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of A B (alternating order: A B B A ...)")
+    ap.add_argument("--seed", type=int, default=0, help="the trace's (the e2e harness's default)")
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/lp-offline-profile"),
+                    help="where the trace's adapters are written (reused across runs)")
+    ap.add_argument("--out", type=Path, default=_BENCH / "results" / "offline_profile.json")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    p = PRESETS[args.preset]
+    engine = EngineCore(EngineConfig(model=args.model, dtype="float32", device="cpu",
+                                     pool_bytes=int(p.pool_mib * MiB), max_lora_rank=64, kernels="auto"))
+    cfg = engine.model_config
+    trace = T.generate(trace_spec(p, args.seed, p.num_adapters, p.requests))[: p.requests]
+    requests = all_at_once(requests_from_trace(trace, cfg.vocab_size, args.seed, max_len=engine.max_model_len))
+    for name, path in ensure_adapters(args.work_dir / "adapters", cfg, used_adapters(requests), args.seed).items():
+        engine.load_adapter(name, path)
+    systems = {"A": LoraplexSystem("with-adapters", engine, True), "B": LoraplexSystem("without", engine, False)}
+    systems["A"].warmup()
+    for s in systems.values():  # a first untimed run each: the steps' buffers and the kernels' first calls
+        s.serve(requests)
+    timers = Timers()
+    runs: dict[str, list[dict]] = {"A": [], "B": []}
+    with timed_engine(engine, timers):
+        for r in range(args.rounds):
+            for label in ("AB" if r % 2 == 0 else "BA"):
+                timers.take()
+                result = systems[label].serve(requests)
+                runs[label].append({"wall_s": result.wall_s, "steps": result.extra["steps"],
+                                    "seconds": timers.take()})
+                print(f"{label} round {r}: {result.wall_s:.2f} s", file=sys.stderr, flush=True)
+    med = {label: _medians(rs) for label, rs in runs.items()}
+    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "preset": args.preset, "model": args.model, "requests": len(requests),
+           "distinct_adapters": len(used_adapters(requests)), "rounds": args.rounds, "runs": runs,
+           "wall_s_median": {label: statistics.median(r["wall_s"] for r in rs) for label, rs in runs.items()},
+           "median_s": med,
+           "a_minus_b_s": {k: {c: med["A"][k][c] - med["B"][k][c] for c in med["A"][k]} for k in KINDS}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"{len(requests)} requests, {out['distinct_adapters']} adapters, {args.rounds} rounds; wall median "
+          f"with {out['wall_s_median']['A']:.2f} s, without {out['wall_s_median']['B']:.2f} s")
+    print("| steps | call | with adapters, s | without, s | difference, s |")
+    print("|---|---|---|---|---|")
+    for k in KINDS:
+        for c in (*CALLS, "other", "step"):
+            a, b = med["A"][k][c], med["B"][k][c]
+            if a or b:
+                print(f"| {k} | {c} | {a:.3f} | {b:.3f} | {a - b:+.3f} |")
+    print(f"wrote {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

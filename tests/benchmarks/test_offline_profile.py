@@ -1,0 +1,71 @@
+"""benchmarks/offline_profile.py splits an offline run's step time by call, with adapters and without, on a tiny
+random Llama and the e2e harness's tiny preset."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import offline_profile  # noqa: E402
+from factories import make_tiny_model  # noqa: E402
+from loraplex.kernels import cpu_lora_gemm  # noqa: E402
+from loraplex.models import llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("offline-profile")
+    model = make_tiny_model(tmp / "model", "llama", seed=5)
+    return offline_profile.main(["--preset", "tiny", "--model", str(model), "--rounds", "2", "--work-dir",
+                                 str(tmp / "work"), "--out", str(tmp / "profile.json")]) | {"tmp": tmp}
+
+
+def test_rounds_alternate_and_the_json_is_written(result):
+    assert [len(result["runs"][label]) for label in "AB"] == [2, 2]
+    saved = json.loads((result["tmp"] / "profile.json").read_text())
+    assert saved["median_s"] == result["median_s"] and saved["distinct_adapters"] == result["distinct_adapters"] > 0
+
+
+def test_calls_are_split_by_step_kind_and_add_up_to_the_steps(result):
+    for label in "AB":
+        for run in result["runs"][label]:
+            s = run["seconds"]
+            # the trace's prompts are prefilled and its outputs decoded: both kinds of step ran, each with its GEMMs
+            assert s["prefill"]["step"] > 0 and s["decode"]["step"] > 0
+            assert s["prefill"]["gemm"] + s["prefill"]["gemm_lora"] > 0 and s["decode"]["gemm"] > 0
+            assert s["prefill"]["paged_attention"] > 0 and s["decode"]["paged_attention"] > 0
+            for kind in offline_profile.KINDS:
+                timed = sum(v for c, v in s[kind].items() if c not in ("step", "other", *offline_profile.NESTED))
+                assert s[kind]["other"] == pytest.approx(s[kind]["step"] - timed)
+                assert 0 < timed <= s[kind]["step"]
+            assert sum(s[k]["step"] for k in offline_profile.KINDS) <= run["wall_s"] * 1.01 + 0.05
+
+
+def test_only_the_run_with_adapters_calls_the_lora_kernels(result):
+    lora_calls = ("gemm_lora", "shrink", "apply_lora_group")
+    for run in result["runs"]["B"]:
+        assert all(run["seconds"][k][c] == 0 for k in offline_profile.KINDS for c in lora_calls)
+    for run in result["runs"]["A"]:
+        assert run["seconds"]["decode"]["apply_lora_group"] > 0  # every decode step carries adapters
+        assert run["seconds"]["prefill"]["gemm_lora"] + run["seconds"]["prefill"]["apply_lora_group"] > 0
+
+
+def test_the_engine_and_modules_are_left_as_they_were(tmp_path):
+    engine_calls = (llama.linear, cpu_lora_gemm.linear_lora, cpu_lora_gemm.shrink)
+    model = make_tiny_model(tmp_path / "model", "llama", seed=6)
+    from loraplex.config import EngineConfig
+    from loraplex.engine import EngineCore
+
+    engine = EngineCore(EngineConfig(model=str(model), dtype="float32", device="cpu", pool_bytes=8 << 20))
+    ops = engine.runner.ops
+    with offline_profile.timed_engine(engine, offline_profile.Timers()):
+        assert engine.runner.ops is not ops and llama.linear is not engine_calls[0]
+    assert engine.runner.ops is ops
+    assert (llama.linear, cpu_lora_gemm.linear_lora, cpu_lora_gemm.shrink) == engine_calls
+    assert "forward" not in vars(engine.model) and "step" not in vars(engine)
