@@ -37,11 +37,9 @@ sys.path.insert(0, str(_BENCH))
 
 import torch  # noqa: E402
 
-import traces as T  # noqa: E402
-from e2e.run import MiB, PRESETS, trace_spec  # noqa: E402
+from e2e.run import PRESETS, engine_config, main_requests  # noqa: E402
 from e2e.systems import LoraplexSystem  # noqa: E402
-from e2e.workload import all_at_once, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
-from loraplex.config import EngineConfig  # noqa: E402
+from e2e.workload import all_at_once, ensure_adapters, used_adapters  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
 from loraplex.kernels import cpu_lora_gemm  # noqa: E402
 from loraplex.models import llama  # noqa: E402
@@ -80,23 +78,19 @@ class Timers:
 
 
 @contextmanager
-def _replaced(obj, name: str, value) -> Iterator[None]:
+def _over(obj, name: str, value) -> Iterator[None]:
+    """obj.name is value while inside; afterwards what it was: the attribute set back, or, where it came from
+    the class (a method), the instance's own removed."""
+    own = name in vars(obj)
     before = getattr(obj, name)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(obj, name, before)
-
-
-@contextmanager
-def _shadowed(obj, name: str, value) -> Iterator[None]:
-    """An instance attribute over the class's method while inside."""
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        delattr(obj, name)
+        if own:
+            setattr(obj, name, before)
+        else:
+            delattr(obj, name)
 
 
 @contextmanager
@@ -126,10 +120,10 @@ def timed_engine(engine: EngineCore, timers: Timers) -> Iterator[None]:
         finally:  # the kind of the step just run, set by its forward
             timers.seconds[(timers.kind, "step")] += time.perf_counter() - t
 
-    with _replaced(engine.runner, "ops", timed_ops), _shadowed(model, "forward", forward_of_kind), \
-            _shadowed(engine, "step", timed_step), _replaced(llama, "linear", timers.wrap("gemm", llama.linear)), \
-            _replaced(cpu_lora_gemm, "linear_lora", timers.wrap("gemm_lora", cpu_lora_gemm.linear_lora)), \
-            _replaced(cpu_lora_gemm, "shrink", timers.wrap("shrink", cpu_lora_gemm.shrink)):
+    with _over(engine.runner, "ops", timed_ops), _over(model, "forward", forward_of_kind), \
+            _over(engine, "step", timed_step), _over(llama, "linear", timers.wrap("gemm", llama.linear)), \
+            _over(cpu_lora_gemm, "linear_lora", timers.wrap("gemm_lora", cpu_lora_gemm.linear_lora)), \
+            _over(cpu_lora_gemm, "shrink", timers.wrap("shrink", cpu_lora_gemm.shrink)):
         yield
 
 
@@ -150,12 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     p = PRESETS[args.preset]
-    engine = EngineCore(EngineConfig(model=args.model, dtype="float32", device="cpu",
-                                     pool_bytes=int(p.pool_mib * MiB), max_lora_rank=64, kernels="auto"))
-    cfg = engine.model_config
-    trace = T.generate(trace_spec(p, args.seed, p.num_adapters, p.requests))[: p.requests]
-    requests = all_at_once(requests_from_trace(trace, cfg.vocab_size, args.seed, max_len=engine.max_model_len))
-    for name, path in ensure_adapters(args.work_dir / "adapters", cfg, used_adapters(requests), args.seed).items():
+    engine = EngineCore(engine_config(p, args.model, torch.device("cpu"), "float32"))
+    requests = all_at_once(main_requests(p, args.seed, engine)[1])
+    for name, path in ensure_adapters(args.work_dir / "adapters", engine.model_config, used_adapters(requests),
+                                      args.seed).items():
         engine.load_adapter(name, path)
     systems = {"A": LoraplexSystem("with-adapters", engine, True), "B": LoraplexSystem("without", engine, False)}
     systems["A"].warmup()

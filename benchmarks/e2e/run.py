@@ -40,7 +40,7 @@ from e2e.scaling import ScalingPoint, run_scaling  # noqa: E402
 from e2e.systems import HFContinuousBatching, HFStaticBatches, LoraplexSystem  # noqa: E402
 from e2e.targets import FloorLoss, adapter_extra_by_phase, decode_checks, floor_loss, matmul_floor_s, \
     offline_checks, online_checks, print_checks, scaling_checks, step_roofline  # noqa: E402
-from e2e.workload import adapter_rank, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
+from e2e.workload import BenchRequest, adapter_rank, ensure_adapters, requests_from_trace, used_adapters  # noqa: E402
 from loraplex.config import EngineConfig  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
 
@@ -106,6 +106,18 @@ def trace_spec(p: Preset, seed: int, num_adapters: int, requests: int) -> T.Trac
                        prompt_median=p.prompt_median, prompt_max=p.prompt_max, output_median=p.output_median,
                        output_max=p.output_max, num_adapters=num_adapters, alpha=1.0, ranks=(8, 16),
                        tenants=(T.TenantSpec("all", 1.0, p.ttft_target_s * 1e3),), seed=seed)
+
+
+def engine_config(p: Preset, model: str, device: torch.device, dtype_name: str) -> EngineConfig:
+    """The main loraplex engine's config (offline_profile.py builds the same engine)."""
+    return EngineConfig(model=model, dtype=dtype_name, device=device.type, pool_bytes=int(p.pool_mib * MiB),
+                        max_lora_rank=64, kernels="auto")
+
+
+def main_requests(p: Preset, seed: int, engine: EngineCore) -> tuple[list[T.TraceRequest], list[BenchRequest]]:
+    """The main trace and its requests (offline and online serve the same ones), clipped to the engine's length."""
+    trace = T.generate(trace_spec(p, seed, p.num_adapters, p.requests))[: p.requests]
+    return trace, requests_from_trace(trace, engine.model_config.vocab_size, seed, max_len=engine.max_model_len)
 
 
 def load_hf(path: Path, dtype: torch.dtype, device: torch.device, adapters: dict[str, Path]):
@@ -263,15 +275,13 @@ def main(argv: list[str] | None = None) -> dict:
     tiny = preset_name == "tiny"  # a smoke run: a rough roofline is enough
     ceilings = measure_ceilings(device, dtype, mib=64 if tiny else 512, reps=2 if tiny else 5,
                                 n=1024 if tiny else 2048)
-    econf = EngineConfig(model=model, dtype=dtype_name, device=device.type, pool_bytes=int(p.pool_mib * MiB),
-                         max_lora_rank=64, kernels="auto")
+    econf = engine_config(p, model, device, dtype_name)
     engine = EngineCore(econf)
     # Pairs stepped in turn need the no-adapter runs on an engine of their own: the same config, the same adapters
     # loaded (so the same pages left for the KV cache and the same steps), the weights loaded again.
     engine_b = EngineCore(econf) if p.interleaved_pairs else engine
     cfg = engine.model_config
-    trace = T.generate(trace_spec(p, args.seed, p.num_adapters, p.requests))[: p.requests]
-    requests = requests_from_trace(trace, cfg.vocab_size, args.seed, max_len=engine.max_model_len)
+    trace, requests = main_requests(p, args.seed, engine)
     adapters = ensure_adapters(work / "adapters", cfg, used_adapters(requests), args.seed)
     for name, path in adapters.items():
         for e in [engine] if engine_b is engine else [engine, engine_b]:

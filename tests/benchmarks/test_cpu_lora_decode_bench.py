@@ -54,4 +54,3 @@ def test_with_gemm_times_the_gemms_alone_and_with_the_lora_and_reports_the_diffe
     assert len(both) == len(alone) == 3
     diffs = sorted(a - b for a, b in zip(both, alone))
     assert result["added_to_gemm_ms"] == {"gemm+sgmv": pytest.approx(diffs[1])}  # the median of three rounds
-

@@ -52,7 +52,7 @@ def test_only_the_run_with_adapters_calls_the_lora_kernels(result):
     for run in result["runs"]["B"]:
         assert all(run["seconds"][k][c] == 0 for k in offline_profile.KINDS for c in lora_calls)
     for run in result["runs"]["A"]:
-        assert run["seconds"]["decode"]["apply_lora_group"] > 0  # every decode step carries adapters
+        assert run["seconds"]["decode"]["apply_lora_group"] > 0  # the trace's decode steps carry adapters
         assert run["seconds"]["prefill"]["gemm_lora"] + run["seconds"]["prefill"]["apply_lora_group"] > 0
 
 
