@@ -9,6 +9,10 @@ every module), placed on the unified pool's pages, one layer's four projections 
   engine's path;
 - shrink: fused's shrink alone (cpu_lora_gemm.shrink), so that fused's addition splits into it and the epilogue
   (with --shrink-baseline-source, other cpu_sgmv.cpp builds' shrinks beside it, as shrink:<name>).
+With --layers L (the default model has 30), each layer has its own packed weights and its own rows of every
+adapter, and each path runs all L layers as a step does: weights and adapters then come from memory or L3, not
+from L2 as in one layer repeated. --lengths and --ranks give the segments of a real step (the e2e quick trace's
+first prefill chunk: `--lengths 792 201 68 53 18 256 192 32 59 256 42 49 --ranks 8 8 8 8 8 8 8 16 8 16 8 8`).
 The paths alternate, call by call, in one process (this CPU's speed drifts over minutes); the table gives the
 25th-percentile time of each and what it adds to base, beside the LoRA's FLOPs at the 2048-square matmul rate
 measured in the same run (the floor); what a path adds is the median over rounds of its time minus base's
@@ -16,6 +20,8 @@ in the same round. Writes JSON (--out).
 
 Usage:
     .venv/bin/python benchmarks/cpu_lora_prefill_bench.py [--segments 16] [--tokens 128] [--rank 16]
+                                                          [--layers 1] [--lengths N ...] [--ranks R ...]
+                                                          [--paths base fused shrink ...]
                                                           [--baseline-source OLD.cpp ...]
                                                           [--shrink-baseline-source OLD_SGMV.cpp ...]
 """
@@ -23,6 +29,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -49,9 +56,11 @@ PROJECTIONS = [((0, 1, 2), (0, H, H + KV, H + 2 * KV), H), ((3,), (0, H), H), ((
                ((6,), (0, H), INTER)]
 
 
-def random_adapter(name: str, rank: int, gen: torch.Generator) -> LoraAdapter:
-    mods = [LoraModuleWeights(0, TARGET_MODULES[m], rank, 2.0, torch.randn(rank, i, generator=gen) / i**0.5,
-                              torch.randn(o, rank, generator=gen) / rank**0.5) for m, (i, o) in SHAPES.items()]
+def random_adapter(name: str, rank: int, gen: torch.Generator, layers: int = 1) -> LoraAdapter:
+    """rank on every module of every layer; weights scaled so that the deltas stay of order one."""
+    mods = [LoraModuleWeights(layer, TARGET_MODULES[m], rank, 2.0, torch.randn(rank, i, generator=gen) / i**0.5,
+                              torch.randn(o, rank, generator=gen) / rank**0.5)
+            for layer in range(layers) for m, (i, o) in SHAPES.items()]
     return LoraAdapter(name=name, modules=tuple(mods), max_rank=rank)
 
 
@@ -66,6 +75,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=128, help="tokens per segment")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="layers, each with its own weights and adapter rows, run per call (30: a step's)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help="each segment's tokens (instead of --segments x --tokens)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=None,
+                    help="segment i's adapter has ranks[i %% len(ranks)] (default: --rank)")
+    ap.add_argument("--paths", nargs="+", default=None,
+                    help="which of base, blas, sgmv, fused, shrink to time (default: all; base always)")
     ap.add_argument("--scatter", action="store_true",
                     help="adapters on pages in random order (default: each on a run of consecutive pages, as a "
                          "pool with free runs places them)")
@@ -80,58 +97,78 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not (cpu_linear.available() and cpu_sgmv.available()):
         raise SystemExit("needs the C++ kernels (kernels.cpu_build.build_error('cpu_linear' / 'cpu_sgmv'))")
+    lengths = args.lengths or [args.tokens] * args.segments
+    rank_cycle = args.ranks or [args.rank]
+    ranks = [rank_cycle[i % len(rank_cycle)] for i in range(len(lengths))]
+    if args.layers < 1 or min(lengths) < 1:
+        ap.error("--layers and every segment length must be at least 1")
     gen = torch.Generator().manual_seed(0)
-    per_adapter = -(-args.rank * sum(i + o for i, o in SHAPES.values()) // (96 * D))  # pages of 96 rows of D
-    geo = PoolGeometry(num_pages=args.segments * per_adapter + 16, row_width=D, rows_per_page=96, block_size=16,
-                       num_layers=1, num_kv_heads=3, head_dim=64, dtype=torch.float32,
+    adapters = [random_adapter(f"a{i}", r, gen, args.layers) for i, r in enumerate(ranks)]
+    geo = PoolGeometry(num_pages=1, row_width=D, rows_per_page=96, block_size=16, num_layers=args.layers,
+                       num_kv_heads=3, head_dim=64, dtype=torch.float32,
                        module_shapes=tuple(SHAPES[m] for m in range(len(TARGET_MODULES))))
+    plans = [plan_adapter(geo, a) for a in adapters]
+    geo = dataclasses.replace(geo, num_pages=sum(p.num_pages for p in plans) + 16)
     pool = PagePool(geo, torch.device("cpu"))
     rows = pool.tensor.view(-1, D)
     free = list(range(geo.num_pages))
     if args.scatter:
         random.Random(0).shuffle(free)
-    segments = []
-    for i in range(args.segments):
-        adapter = random_adapter(f"a{i}", args.rank, gen)
-        plan = plan_adapter(geo, adapter)
+    segments, start = [], 0
+    for adapter, plan, n in zip(adapters, plans, lengths):
         pages, free = np.array(free[: plan.num_pages]), free[plan.num_pages:]
         residency = place_adapter(pool, adapter.name, plan, pages)
-        segments.append(LoraSegment(i * args.tokens, args.tokens, residency))
-    T = args.segments * args.tokens
-    weights = [cpu_linear.pack(torch.randn(b[-1], k, generator=gen) / k**0.5) for _, b, k in PROJECTIONS]
+        segments.append(LoraSegment(start, n, residency))
+        start += n
+    T = start
+    layers = range(args.layers)
+    # [layer][projection]: the fused projection's weight [out, in], packed
+    weights = [[cpu_linear.pack(torch.randn(b[-1], k, generator=gen) / k**0.5) for _, b, k in PROJECTIONS]
+               for _ in layers]
     xs = [torch.randn(T, k, generator=gen) for _, _, k in PROJECTIONS]
 
     def base(lora: LoraBatch) -> None:
-        for w, x in zip(weights, xs):
-            cpu_linear.linear(x, w, None)
+        for layer in layers:
+            for w, x in zip(weights[layer], xs):
+                cpu_linear.linear(x, w, None)
 
     def then_apply(apply):
         def run(lora: LoraBatch) -> None:
-            for (mods, b, _), w, x in zip(PROJECTIONS, weights, xs):
-                y = cpu_linear.linear(x, w, None)
-                for m, lo, hi in zip(mods, b, b[1:]):
-                    apply(y[:, lo:hi], x, m, lora)
+            for layer in layers:
+                for (mods, b, _), w, x in zip(PROJECTIONS, weights[layer], xs):
+                    y = cpu_linear.linear(x, w, None)
+                    for m, lo, hi in zip(mods, b, b[1:]):
+                        apply(y[:, lo:hi], x, layer, m, lora)
         return run
 
     def shrink_with(ext):  # fused's first half (what the epilogue adds is fused - shrink), from build ext
         def run(lora: LoraBatch) -> None:
             parts = cpu_lora_gemm.split(lora, D)
-            for (mods, b, _), x in zip(PROJECTIONS, xs):
-                cpu_lora_gemm.shrink(x, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b), ext)
+            for layer in layers:
+                for (mods, b, _), x in zip(PROJECTIONS, xs):
+                    cpu_lora_gemm.shrink(x, rows, parts.fused, layer, cpu_lora_gemm.ModuleColumns(mods, b), ext)
         return run
 
     def fused_with(ext):  # the engine's path, with the GEMM and its epilogue from build ext (None: this checkout's)
         def run(lora: LoraBatch) -> None:
             parts = cpu_lora_gemm.split(lora, D)
-            for (mods, b, _), w, x in zip(PROJECTIONS, weights, xs):
-                cpu_lora_gemm.linear_lora(x, w, None, rows, parts.fused, 0, cpu_lora_gemm.ModuleColumns(mods, b), ext)
+            for layer in layers:
+                for (mods, b, _), w, x in zip(PROJECTIONS, weights[layer], xs):
+                    cpu_lora_gemm.linear_lora(x, w, None, rows, parts.fused, layer,
+                                              cpu_lora_gemm.ModuleColumns(mods, b), ext)
         return run
 
     calls = {"base": base,
-             "blas": then_apply(lambda y, x, m, lora: torch_sgmv.apply_segments(y, x, rows, lora.segments, 0, m)),
-             "sgmv": then_apply(lambda y, x, m, lora: cpu_sgmv.apply_lora(y, x, rows, lora, 0, m)),
+             "blas": then_apply(lambda y, x, layer, m, lora: torch_sgmv.apply_segments(y, x, rows, lora.segments,
+                                                                                        layer, m)),
+             "sgmv": then_apply(lambda y, x, layer, m, lora: cpu_sgmv.apply_lora(y, x, rows, lora, layer, m)),
              "fused": fused_with(None),
              "shrink": shrink_with(None)}
+    if args.paths is not None:
+        unknown = set(args.paths) - set(calls)
+        if unknown:
+            ap.error(f"unknown paths {sorted(unknown)}: choose from {sorted(calls)}")
+        calls = {name: f for name, f in calls.items() if name == "base" or name in args.paths}
     for name, ext in baseline_builds(args.baseline_source, "baseline_cpu_linear").items():
         calls[name] = fused_with(ext)
     for name, ext in baseline_builds(args.shrink_baseline_source, "baseline_cpu_sgmv").items():
@@ -149,10 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
             if rep:  # the first round warms every path
                 times[name].append(time.perf_counter() - t)
     q1 = {name: sorted(ts)[len(ts) // 4] for name, ts in times.items()}
-    lora_flops = 2 * T * args.rank * sum(i + o for i, o in SHAPES.values())
+    lora_flops = 2 * sum(n * r for n, r in zip(lengths, ranks)) * sum(i + o for i, o in SHAPES.values()) * args.layers
     floor_s = lora_flops / (ceiling * 1e9)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "scatter": args.scatter, "segments": args.segments, "tokens": args.tokens, "rank": args.rank,
+              "scatter": args.scatter, "segments": len(lengths), "total_tokens": T, "lengths": lengths, "ranks": ranks,
+              "layers": args.layers,
               "ceiling_gflops": ceiling,
               "lora_gflop": lora_flops / 1e9, "floor_ms": floor_s * 1e3,
               "ms_q1": {k: v * 1e3 for k, v in q1.items()},
@@ -166,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"{args.segments} segments x {args.tokens} tokens, rank {args.rank}, one layer (7 modules); "
+    print(f"{len(lengths)} segments, {T} tokens, ranks {sorted(set(ranks))}, {args.layers} layer(s) (7 modules each); "
           f"LoRA {lora_flops / 1e9:.2f} GFLOP = {floor_s * 1e3:.2f} ms at {ceiling:.0f} GFLOP/s")
     print("| path | ms (25th pct) | added to base, ms (median of same-round pairs) | added / floor |")
     print("|---|---|---|---|")

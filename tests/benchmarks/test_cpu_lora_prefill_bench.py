@@ -43,3 +43,18 @@ def test_bench_times_earlier_builds_beside_the_kernels(tmp_path):
     assert result["ms_q1"]["baseline"] > 0 and len(result["all_ms"]["baseline"]) == 2
     # The other build's shrink, like this one's, runs without the GEMMs: what it adds is its own time.
     assert result["added_ms"]["shrink:baseline"] == result["ms_q1"]["shrink:baseline"] > 0
+
+
+def test_bench_runs_a_step_of_layers_with_given_segments(tmp_path):
+    """--layers: each layer its own weights and adapter rows, every path over all of them; --lengths and --ranks:
+    the segments of a real step; --paths: only those (and base)."""
+    require_built("cpu_linear", cpu_linear.available(), "linear kernel")
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    result = cpu_lora_prefill_bench.main(["--layers", "2", "--lengths", "20", "13", "24", "--ranks", "8", "16",
+                                          "--paths", "fused", "shrink", "--reps", "2", "--out", str(tmp_path / "s.json")])
+    assert set(result["ms_q1"]) == {"base", "fused", "shrink"}
+    assert (result["layers"], result["lengths"], result["ranks"], result["total_tokens"]) == (2, [20, 13, 24],
+                                                                                             [8, 16, 8], 57)
+    # Every layer's LoRA: (20 + 24) tokens at rank 8 and 13 at rank 16, on all 7 modules of both layers.
+    assert result["lora_gflop"] == 2 * 2 * (44 * 8 + 13 * 16) * (576 * 7 + 192 * 2 + 576 * 2 + 1536 * 3) / 1e9
+    assert result["ms_q1"]["shrink"] < result["ms_q1"]["fused"]
