@@ -323,8 +323,14 @@ inline void shrink_k(T (&acc)[R][NV], const float* __restrict x, int64_t xs, con
 // same way. The AVX2 build (6 rows, 16 registers) gained nothing from either on the same CPU (2.09 ms before,
 // 2.16 with four k, 2.18 with four k and no prefetch) and keeps its one k and the prefetch into L1. Bit for bit
 // the same sums either way (benchmarks/cpu_lora_prefill_bench.py --shrink-baseline-source; RESULTS.md).
+// That one layer, repeated, kept x in cache. Over a step's 30 layers, the e2e quick trace's first prefill chunk
+// (12 segments, 2018 tokens, ranks 8 and 16; `cpu_lora_prefill_bench.py --layers 30 --lengths ... --paths shrink
+// --shrink-baseline-source`, AMD EPYC Zen 4, 30 rounds, RESULTS.md, thirty-sixth session) the AVX-512 build with
+// the prefetch into L2 took 37.96 ms a step against 43.70 without (paired medians -4.95 and -7.12 ms in two runs,
+// faster in 28 and 30 of 30 rounds); into L1 or L3, or two blocks ahead, no better. So both builds prefetch now;
+// a step on an Intel Xeon was not measured.
 constexpr int SHRINK_KU = VEC == 16 ? 4 : 1;
-constexpr bool SHRINK_PREFETCH_X = VEC == 8;
+constexpr int SHRINK_PREFETCH_HINT = VEC == 8 ? 3 : 2;  // into L1 (AVX2, as measured there) or L2 (AVX-512)
 // Accumulator sets of a one-vector rank chunk (shrink_chunk): 2 on AVX2, where one set is 6 registers; the
 // AVX-512 build's 12 rows already keep 12 chains.
 constexpr int SHRINK_SETS_1 = VEC == 8 ? 2 : 1;
@@ -348,9 +354,9 @@ void shrink_chunk(const float* __restrict x, int64_t xs, const float* const* __r
   static_assert(16 % STEP == 0, "k steps onto every multiple of 16, where x is prefetched");
   int64_t k = 0;
   for (; k + STEP <= K; k += STEP) {
-    if (SHRINK_PREFETCH_X && prefetch && (k & 15) == 0) {
+    if (prefetch && (k & 15) == 0) {
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) __builtin_prefetch(x + (R + r) * xs + k, 0, 3);
+      for (int r = 0; r < R; ++r) __builtin_prefetch(x + (R + r) * xs + k, 0, SHRINK_PREFETCH_HINT);
     }
 #pragma GCC unroll 4
     for (int u = 0; u < SETS; ++u) shrink_k<R, NV, T, SHRINK_KU>(acc[u], x, xs, arow, k + u * SHRINK_KU, c0);
