@@ -505,13 +505,46 @@ constexpr int FEW = 4;  // tokens per decode item
 // 8 KB - / 10.9 / 13.0 / -.
 constexpr int64_t FEW_AHEAD = 1024;
 
+// The next decode item's adapter bytes (its A^T, then its B^T), asked for into L2 while the current item computes,
+// as many floats of it as the current item reads, so that each item finds its rows already on their way: the
+// shrink's FEW_AHEAD lead within an item is about one memory latency, every item starts a new stream (another
+// adapter, or another module's matrices), and a thread otherwise computed on one item while its next one had not
+// been asked for. On an AMD EPYC Zen 4, benchmarks/cpu_lora_decode_bench.py with this beside the build before
+// (`--baseline-source`, builds alternating in one process, paired medians of the step, RESULTS.md, thirty-sixth
+// session): 64 tokens over 30 adapters -1.18 and -1.46 ms of 17.4 and 14.1 (faster in 38 and 37 of 40 rounds),
+// one thread -3.45 of 26.3; 48 / 30 -1.11, 24 / 16 -0.46, 8 / 8 -0.12 (no change). Asking for two floats a float
+// read ran 0 to 2 ms slower than one, and half a float 0.8 ms slower.
+struct NextItem {
+  Pages pg{nullptr, nullptr, 1};
+  int64_t e[2]{}, end[2]{};
+  int r = 2;  // the range being walked; 2: nothing (left) to ask for
+  const float* p = nullptr;
+  int64_t run = 0;  // floats left from p to its page's end
+  void start(const Pages& pages, int64_t a_elem, int64_t a_n, int64_t b_elem, int64_t b_n) {
+    pg = pages, e[0] = a_elem, end[0] = a_elem + a_n, e[1] = b_elem, end[1] = b_elem + b_n, r = 0, run = 0;
+  }
+  // The next `floats` floats of the ranges, a line (16 floats) per prefetch.
+  inline void ask(int64_t floats) {
+    while (floats > 0 && r < 2) {
+      if (e[r] >= end[r]) {
+        ++r, run = 0;
+        continue;
+      }
+      if (run <= 0) p = pg.at(e[r], &run);
+      const int64_t take = std::min(std::min(floats, run), end[r] - e[r]);
+      for (int64_t o = 0; o < take; o += 16) __builtin_prefetch(p + o, 0, 2);
+      p += take, run -= take, e[r] += take, floats -= take;
+    }
+  }
+};
+
 // Accumulators the decode shrink may hold: NT tokens x NV vectors x P phases, half the registers or so.
 constexpr int FEW_ACC = VEC == 16 ? 16 : 8;
 
 // The NV vectors of type T of one row of A^T (R = NV * lanes floats) for NT tokens, P phases.
 template <int NT, int NV, typename T>
 inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, int64_t a_elem, int64_t in,
-                       float scale, float (*__restrict s)[MAX_RANK]) {
+                       float scale, float (*__restrict s)[MAX_RANK], NextItem& next) {
   constexpr int L = sizeof(T) / sizeof(float), R = NV * L;
   constexpr int P = std::max(1, std::min(4, 8 / (NT * NV)));
   T acc[P][NT][NV];
@@ -541,6 +574,7 @@ inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, i
       const float* ahead = p + (r + P) * R + FEW_AHEAD;
 #pragma GCC unroll 16
       for (int l = 0; l < (P * R * 4 + 63) / 64; ++l) __builtin_prefetch(ahead + 16 * l, 0, 2);  // into L2: see few_expand
+      next.ask(P * R);
 #pragma GCC unroll 64
       for (int q = 0; q < P; ++q)
         for (int v = 0; v < NV; ++v) {
@@ -570,10 +604,11 @@ inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, i
 // B^T in registers, then one update of y. rows[k * (out / d) + j]: pool row j of B^T's row k.
 template <int NT, int NW>
 inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict s)[MAX_RANK], const float* const* rows,
-                       int rank, int64_t out, int64_t d) {
+                       int rank, int64_t out, int64_t d, NextItem& next) {
   const int64_t per_k = out / d;
   for (int64_t j = 0; j < per_k; ++j)
     for (int64_t off = 0; off < d; off += NW * VEC) {
+      next.ask(NW * VEC * rank);
       vecv acc[NT][NW];
 #pragma GCC unroll 64
       for (int t = 0; t < NT; ++t)
@@ -618,7 +653,7 @@ inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict
 // 15.53 ms; prefetching two groups ahead instead was no faster (15.65 and 15.89 against 15.41 and 15.38).
 template <int NT, int KB>
 inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__restrict s)[MAX_RANK],
-                            const float* const* rows, int rank, int64_t out, int64_t d) {
+                            const float* const* rows, int rank, int64_t out, int64_t d, NextItem& next) {
   static_assert(8 % KB == 0, "the decode kernels' ranks (8, 16, 32, 64: few_ok) are multiples of KB");
   const int64_t per_k = out / d;
   for (int k = 0; k < rank; k += KB)
@@ -632,6 +667,7 @@ inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__res
           for (int64_t off = 0; off < d; off += 64 / sizeof(float))
             __builtin_prefetch(rows[(k + KB + q) * per_k + j] + off, 0, 2);
       }
+      next.ask(KB * d);
       float* __restrict yj = y + j * d;
       for (int64_t off = 0; off < d; off += VEC) {
 #pragma GCC unroll 16
@@ -676,27 +712,27 @@ inline int few_nw(int64_t d) {
 
 template <int NT>
 void few_block_n(float* y, int64_t ys, const float* x, int64_t xs, const Pages& pg, int64_t a_elem, int64_t b_elem,
-                 int rank, int64_t in, int64_t out, int64_t d, float scale) {
+                 int rank, int64_t in, int64_t out, int64_t d, float scale, NextItem& next) {
   alignas(64) float s[NT][MAX_RANK];
   switch (rank) {
-    case 8: few_shrink<NT, 1, vec8>(x, xs, pg, a_elem, in, scale, s); break;
-    case 16: few_shrink<NT, 16 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s); break;
-    case 32: few_shrink<NT, 32 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s); break;
+    case 8: few_shrink<NT, 1, vec8>(x, xs, pg, a_elem, in, scale, s, next); break;
+    case 16: few_shrink<NT, 16 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s, next); break;
+    case 32: few_shrink<NT, 32 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s, next); break;
     default:
       if constexpr (NT * 64 / VEC <= FEW_ACC) {
-        few_shrink<NT, 64 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s);  // rank 64 (few_ok)
+        few_shrink<NT, 64 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s, next);  // rank 64 (few_ok)
         break;
       }
   }
   const std::vector<const float*> rows = b_rows(pg, b_elem, rank * out / d, d);
   if (expand_by_rows()) {
-    few_expand_rows<NT, 4>(y, ys, s, rows.data(), rank, out, d);
+    few_expand_rows<NT, 4>(y, ys, s, rows.data(), rank, out, d, next);
     return;
   }
   switch (few_nw<NT>(d)) {
-    case 4: few_expand<NT, 4>(y, ys, s, rows.data(), rank, out, d); break;
-    case 2: few_expand<NT, 2>(y, ys, s, rows.data(), rank, out, d); break;
-    default: few_expand<NT, 1>(y, ys, s, rows.data(), rank, out, d);
+    case 4: few_expand<NT, 4>(y, ys, s, rows.data(), rank, out, d, next); break;
+    case 2: few_expand<NT, 2>(y, ys, s, rows.data(), rank, out, d, next); break;
+    default: few_expand<NT, 1>(y, ys, s, rows.data(), rank, out, d, next);
   }
 }
 
@@ -708,12 +744,12 @@ bool few_ok(int64_t nt, int64_t rank, int64_t d) {
 }
 
 void few_block(float* y, int64_t ys, const float* x, int64_t xs, int nt, const Pages& pg, int64_t a_elem,
-               int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d, float scale) {
+               int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d, float scale, NextItem& next) {
   switch (nt) {
-    case 1: few_block_n<1>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale); break;
-    case 2: few_block_n<2>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale); break;
-    case 3: few_block_n<3>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale); break;
-    default: few_block_n<4>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale);
+    case 1: few_block_n<1>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+    case 2: few_block_n<2>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+    case 3: few_block_n<3>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+    default: few_block_n<4>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next);
   }
 }
 
@@ -784,7 +820,15 @@ void run_items(const std::vector<GroupItem>& items, float* yp, int64_t ys, const
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   const std::vector<int64_t> cuts = balanced_cuts(items, tb, layer, in, parts);
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    NextItem next;
     for (int64_t n = cuts[p0]; n < cuts[p1]; ++n) {
+      next.r = 2;  // this thread's next item, if it has one (a long item reads its matrices many times: none)
+      if (n + 1 < cuts[p1] && !items[n + 1].it.blocked) {
+        const GroupItem& g = items[n + 1];
+        const int32_t* ln = tb.entry(g.it.seg, layer, g.module);
+        next.start(tb.pages_of(g.it.seg), static_cast<int64_t>(ln[1]) * d, static_cast<int64_t>(ln[0]) * in,
+                   static_cast<int64_t>(ln[2]) * d, static_cast<int64_t>(ln[0]) * g.out);
+      }
       const ModuleItem& it = items[n].it;
       const int64_t module = items[n].module, out = items[n].out;
       float* y = yp + items[n].col;
@@ -796,7 +840,7 @@ void run_items(const std::vector<GroupItem>& items, float* yp, int64_t ys, const
                   static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
       else if (few_ok(it.nt, l[0], d))
         few_block(y + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
-                  static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
+                  static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale, next);
       else
         apply_block(y + it.t0 * ys, ys, xp + it.t0 * xs, xs, it.nt, p, static_cast<int64_t>(l[1]) * d,
                     static_cast<int64_t>(l[2]) * d, l[0], in, out, d, scale);
