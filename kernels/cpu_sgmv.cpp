@@ -327,7 +327,7 @@ inline void shrink_k(T (&acc)[R][NV], const float* __restrict x, int64_t xs, con
 // (12 segments, 2018 tokens, ranks 8 and 16; `cpu_lora_prefill_bench.py --layers 30 --lengths ... --paths shrink
 // --shrink-baseline-source`, AMD EPYC Zen 4, 30 rounds, RESULTS.md, thirty-sixth session) the AVX-512 build with
 // the prefetch into L2 took 37.96 ms a step against 43.70 without (paired medians -4.95 and -7.12 ms in two runs,
-// faster in 28 and 30 of 30 rounds); into L1 or L3, or two blocks ahead, no better. So both builds prefetch now;
+// faster in 28 and 30 of 30 rounds); into L3, or two blocks ahead, no better. So both builds prefetch now;
 // a step on an Intel Xeon was not measured.
 constexpr int SHRINK_KU = VEC == 16 ? 4 : 1;
 constexpr int SHRINK_PREFETCH_HINT = VEC == 8 ? 3 : 2;  // into L1 (AVX2, as measured there) or L2 (AVX-512)
