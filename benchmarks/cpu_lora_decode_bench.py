@@ -38,25 +38,17 @@ import torch
 
 from loraplex.kernels import LoraBatch, LoraSegment, cpu_linear, cpu_sgmv
 from loraplex.kernels.cpu_build import baseline_builds
-from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
+from loraplex.lora.types import TARGET_MODULES
 from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
 from loraplex.unified_pager.geometry import PoolGeometry
 from loraplex.unified_pager.pool import PagePool
 
-from cpu_lora_prefill_bench import D, PROJECTIONS, SHAPES
+from cpu_lora_prefill_bench import D, PROJECTIONS, SHAPES, random_adapter
 from rounds import round_order
 from roofline import measure_roofline
 
 LAYERS = 30  # SmolLM2-135M (--layers: fewer, so that the adapters fit in cache and the arithmetic shows)
 ROWS_PER_PAGE = 96  # the engine's page for this model: a KV block of 16 tokens x 3 heads x (K, V)
-
-
-def random_adapter(name: str, rank: int, layers: int, gen: torch.Generator) -> LoraAdapter:
-    """rank on every module of every layer; weights scaled so that the deltas stay of order one."""
-    mods = [LoraModuleWeights(layer, TARGET_MODULES[m], rank, 2.0, torch.randn(rank, i, generator=gen) / i**0.5,
-                              torch.randn(o, rank, generator=gen) / rank**0.5)
-            for layer in range(layers) for m, (i, o) in SHAPES.items()]
-    return LoraAdapter(name=name, modules=tuple(mods), max_rank=rank)
 
 
 def segment_lengths(batch: int, adapters: int) -> list[int]:
@@ -87,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--with-gemm needs the packed GEMM (kernels.cpu_build.build_error('cpu_linear'))")
     gen = torch.Generator().manual_seed(int(time.time()))
     lengths = [n for n in segment_lengths(args.batch, args.adapters) if n]
-    adapters = [random_adapter(f"a{i}", args.ranks[i % len(args.ranks)], args.layers, gen) for i in range(len(lengths))]
+    adapters = [random_adapter(f"a{i}", args.ranks[i % len(args.ranks)], gen, args.layers) for i in range(len(lengths))]
     geo = PoolGeometry(num_pages=1, row_width=D, rows_per_page=ROWS_PER_PAGE, block_size=16, num_layers=args.layers,
                        num_kv_heads=3, head_dim=64, dtype=torch.float32,
                        module_shapes=tuple(SHAPES[m] for m in range(len(TARGET_MODULES))))
