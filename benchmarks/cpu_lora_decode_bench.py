@@ -27,28 +27,21 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from loraplex.kernels import LoraBatch, LoraSegment, cpu_linear, cpu_sgmv
+from loraplex.kernels import LoraBatch, cpu_linear, cpu_sgmv
 from loraplex.kernels.cpu_build import baseline_builds
-from loraplex.lora.types import TARGET_MODULES
-from loraplex.unified_pager.adapter_pages import place_adapter, plan_adapter
-from loraplex.unified_pager.geometry import PoolGeometry
-from loraplex.unified_pager.pool import PagePool
 
-from cpu_lora_prefill_bench import D, PROJECTIONS, SHAPES, random_adapter
+from cpu_lora_prefill_bench import D, PROJECTIONS, SHAPES, place_segments, random_adapter
 from rounds import round_order
 from roofline import measure_roofline
 
 LAYERS = 30  # SmolLM2-135M (--layers: fewer, so that the adapters fit in cache and the arithmetic shows)
-ROWS_PER_PAGE = 96  # the engine's page for this model: a KV block of 16 tokens x 3 heads x (K, V)
 
 
 def segment_lengths(batch: int, adapters: int) -> list[int]:
@@ -80,18 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator().manual_seed(int(time.time()))
     lengths = [n for n in segment_lengths(args.batch, args.adapters) if n]
     adapters = [random_adapter(f"a{i}", args.ranks[i % len(args.ranks)], gen, args.layers) for i in range(len(lengths))]
-    geo = PoolGeometry(num_pages=1, row_width=D, rows_per_page=ROWS_PER_PAGE, block_size=16, num_layers=args.layers,
-                       num_kv_heads=3, head_dim=64, dtype=torch.float32,
-                       module_shapes=tuple(SHAPES[m] for m in range(len(TARGET_MODULES))))
-    plans = [plan_adapter(geo, a) for a in adapters]
-    geo = dataclasses.replace(geo, num_pages=sum(p.num_pages for p in plans))
-    pool = PagePool(geo, torch.device("cpu"))
+    pool, segments = place_segments(adapters, lengths, args.layers)  # each on a run of pages, as a fresh pool places it
     rows = pool.tensor.view(-1, D)
-    segments, first, start = [], 0, 0
-    for adapter, plan, n in zip(adapters, plans, lengths):  # each adapter on a run of pages, as a fresh pool places it
-        residency = place_adapter(pool, adapter.name, plan, np.arange(first, first + plan.num_pages))
-        segments.append(LoraSegment(start, n, residency))
-        first, start = first + plan.num_pages, start + n
     adapter_bytes = sum(a.max_rank * sum(i + o for i, o in SHAPES.values()) * args.layers * 4 for a in adapters)
     lora = LoraBatch(tuple(segments), args.batch)
     _ = lora.device_tensors
@@ -106,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         return run
 
     def plain_read() -> None:  # the same pages, summed: the pool layout's own floor
-        pool.tensor[:first].sum()
+        pool.tensor.sum()
 
     calls = {"sgmv": step_with(None), "read": plain_read}
     if args.with_gemm:

@@ -54,6 +54,7 @@ SHAPES = {0: (H, H), 1: (H, KV), 2: (H, KV), 3: (H, H), 4: (H, INTER), 5: (H, IN
 # (modules, their column bounds in the fused output, input width): qkv, o, gate_up, down
 PROJECTIONS = [((0, 1, 2), (0, H, H + KV, H + 2 * KV), H), ((3,), (0, H), H), ((4, 5), (0, INTER, 2 * INTER), H),
                ((6,), (0, H), INTER)]
+ROWS_PER_PAGE = 96  # the engine's page for this model: a KV block of 16 tokens x 3 heads x (K, V)
 
 
 def random_adapter(name: str, rank: int, gen: torch.Generator, layers: int = 1) -> LoraAdapter:
@@ -62,6 +63,28 @@ def random_adapter(name: str, rank: int, gen: torch.Generator, layers: int = 1) 
                               torch.randn(o, rank, generator=gen) / rank**0.5)
             for layer in range(layers) for m, (i, o) in SHAPES.items()]
     return LoraAdapter(name=name, modules=tuple(mods), max_rank=rank)
+
+
+def place_segments(adapters: list[LoraAdapter], lengths: list[int], layers: int, scatter: bool = False,
+                   spare_pages: int = 0) -> tuple[PagePool, list[LoraSegment]]:
+    """A pool of the default model's geometry holding `adapters` (and spare_pages more), and one segment of
+    lengths[i] tokens per adapter, back to back from token 0. Each adapter on a run of consecutive pages, as a pool
+    with free runs places it, or (scatter) on pages in random order."""
+    geo = PoolGeometry(num_pages=1, row_width=D, rows_per_page=ROWS_PER_PAGE, block_size=16, num_layers=layers,
+                       num_kv_heads=3, head_dim=64, dtype=torch.float32,
+                       module_shapes=tuple(SHAPES[m] for m in range(len(TARGET_MODULES))))
+    plans = [plan_adapter(geo, a) for a in adapters]
+    pool = PagePool(dataclasses.replace(geo, num_pages=sum(p.num_pages for p in plans) + spare_pages),
+                    torch.device("cpu"))
+    free = list(range(pool.geometry.num_pages))
+    if scatter:
+        random.Random(0).shuffle(free)
+    segments, start = [], 0
+    for adapter, plan, n in zip(adapters, plans, lengths):
+        pages, free = np.array(free[: plan.num_pages]), free[plan.num_pages:]
+        segments.append(LoraSegment(start, n, place_adapter(pool, adapter.name, plan, pages)))
+        start += n
+    return pool, segments
 
 
 def _alone(path: str) -> bool:
@@ -104,23 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--layers and every segment length must be at least 1")
     gen = torch.Generator().manual_seed(0)
     adapters = [random_adapter(f"a{i}", r, gen, args.layers) for i, r in enumerate(ranks)]
-    geo = PoolGeometry(num_pages=1, row_width=D, rows_per_page=96, block_size=16, num_layers=args.layers,
-                       num_kv_heads=3, head_dim=64, dtype=torch.float32,
-                       module_shapes=tuple(SHAPES[m] for m in range(len(TARGET_MODULES))))
-    plans = [plan_adapter(geo, a) for a in adapters]
-    geo = dataclasses.replace(geo, num_pages=sum(p.num_pages for p in plans) + 16)
-    pool = PagePool(geo, torch.device("cpu"))
+    pool, segments = place_segments(adapters, lengths, args.layers, args.scatter, spare_pages=16)
     rows = pool.tensor.view(-1, D)
-    free = list(range(geo.num_pages))
-    if args.scatter:
-        random.Random(0).shuffle(free)
-    segments, start = [], 0
-    for adapter, plan, n in zip(adapters, plans, lengths):
-        pages, free = np.array(free[: plan.num_pages]), free[plan.num_pages:]
-        residency = place_adapter(pool, adapter.name, plan, pages)
-        segments.append(LoraSegment(start, n, residency))
-        start += n
-    T = start
+    T = sum(lengths)
     layers = range(args.layers)
     # [layer][projection]: the fused projection's weight [out, in], packed
     weights = [[cpu_linear.pack(torch.randn(b[-1], k, generator=gen) / k**0.5) for _, b, k in PROJECTIONS]

@@ -513,7 +513,8 @@ constexpr int64_t FEW_AHEAD = 1024;
 // (`--baseline-source`, builds alternating in one process, paired medians of the step, RESULTS.md, thirty-sixth
 // session): 64 tokens over 30 adapters -1.18 and -1.46 ms of 17.4 and 14.1 (faster in 38 and 37 of 40 rounds),
 // one thread -3.45 of 26.3; 48 / 30 -1.11, 24 / 16 -0.46, 8 / 8 -0.12 (no change). Asking for two floats a float
-// read ran 0 to 2 ms slower than one, and half a float 0.8 ms slower.
+// read ran 0 to 2 ms slower than one, and half a float 0.8 ms slower. Those runs took the row sweep
+// (few_expand_rows); the column chunks' asks (few_expand, Intel Xeons) were not measured.
 struct NextItem {
   Pages pg{nullptr, nullptr, 1};
   int64_t e[2]{}, end[2]{};
