@@ -5,8 +5,9 @@ them by what the model calls. The e2e preset's trace (its requests all at once, 
 runs on one engine with its adapters (A) and without (B), in rounds A B B A ..., and the calls are timed where the
 engine makes them (wall seconds of the calling thread, the kernels' own threads inside them):
 - gemm: the packed projections without LoRA, the LM head among them;
-- gemm_lora: the projections with the prefill LoRA in the GEMM's epilogue (cpu_lora_gemm.linear_lora), and
-  shrink, its first half (cpu_lora_gemm.shrink; counted inside gemm_lora too);
+- gemm_lora: the projections with the prefill LoRA in the GEMM (cpu_lora_gemm.linear_lora: the shrink of each chunk
+  of rows and the expand in the epilogue, one C++ call, so the shrink is not timed apart; cpu_lora_prefill_bench.py
+  --paths shrink times it alone);
 - apply_lora_group: the LoRA of decode tokens and short prefill segments (the kernel set's);
 - paged_attention, write_kv; rms_norm, add_rms_norm, rope, swiglu (the model's pointwise ops);
 - step: EngineCore.step as a whole; other: step minus the calls above (scheduling, sampling, Python).
@@ -45,10 +46,8 @@ from loraplex.kernels import cpu_lora_gemm  # noqa: E402
 from loraplex.models import llama  # noqa: E402
 
 KINDS = ("prefill", "decode")
-CALLS = ("gemm", "gemm_lora", "shrink", "apply_lora_group", "paged_attention", "write_kv", "rms_norm",
+CALLS = ("gemm", "gemm_lora", "apply_lora_group", "paged_attention", "write_kv", "rms_norm",
          "add_rms_norm", "rope", "swiglu")
-# Calls that nest inside another timed call, left out of "other" (shrink runs inside gemm_lora).
-NESTED = ("shrink",)
 
 
 class Timers:
@@ -71,7 +70,7 @@ class Timers:
         """The seconds by kind and call (every call named, 0 where none ran), other added; then reset."""
         out = {k: {c: self.seconds.get((k, c), 0.0) for c in (*CALLS, "step")} for k in KINDS}
         for k in KINDS:
-            timed = sum(v for c, v in out[k].items() if c not in ("step", *NESTED))
+            timed = sum(v for c, v in out[k].items() if c != "step")
             out[k]["other"] = out[k]["step"] - timed
         self.seconds.clear()
         return out
@@ -122,8 +121,7 @@ def timed_engine(engine: EngineCore, timers: Timers) -> Iterator[None]:
 
     with _over(engine.runner, "ops", timed_ops), _over(model, "forward", forward_of_kind), \
             _over(engine, "step", timed_step), _over(llama, "linear", timers.wrap("gemm", llama.linear)), \
-            _over(cpu_lora_gemm, "linear_lora", timers.wrap("gemm_lora", cpu_lora_gemm.linear_lora)), \
-            _over(cpu_lora_gemm, "shrink", timers.wrap("shrink", cpu_lora_gemm.shrink)):
+            _over(cpu_lora_gemm, "linear_lora", timers.wrap("gemm_lora", cpu_lora_gemm.linear_lora)):
         yield
 
 

@@ -9,7 +9,8 @@
 // floats) is two vector loads that serve up to MR rows of x: the weights stream from memory once per
 // block of MR rows, and the block is FMA-bound above a few rows.
 //
-// Loops, outside in: threads split the panels (each writes its own columns, no reduction); a chunk of
+// Loops, outside in: threads split the panels (each writes its own columns, no reduction), or, in linear_lora
+// with a chunk of rows per thread or more, the chunks of rows (run() says why); a chunk of
 // MC rows of x (sized to stay in L2 while every panel of the thread passes over it); panels; blocks of
 // at most MR rows, balanced (64 rows on AVX-512: 6 blocks of 10-11, not 5 of 12 and a lone 4) so that
 // every block keeps enough independent accumulators to hide the FMA latency.
@@ -27,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_lora_shrink.h"
 #include "cpu_pool_tables.h"
 
 namespace {
@@ -211,7 +213,7 @@ struct LoraPlan {
   struct Piece { int64_t r0, r1, seg; };  // rows [r0, r1) of segment seg (-1: no adapter)
   SegTables tb;
   int64_t layer;
-  const float* s;  // [M, W] shrink outputs, scale applied
+  float* s;  // [M, W] shrink outputs, scale applied: run() fills the segments' rows
   int64_t ss;
   std::vector<int64_t> modules, bounds, s_cols;  // module i: output columns [bounds[i], bounds[i + 1])
   std::vector<Piece> pieces;                     // in row order, covering every row
@@ -277,26 +279,59 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
   const int64_t xs = x.stride(0);
   const int64_t chunk = std::max<int64_t>(MR, X_CHUNK_BYTES / (std::max<int64_t>(K, 1) * 4) / MR * MR);
   const LoraPlan::Piece whole{0, M, -1};
+  const LoraPlan::Piece* pieces = plan != nullptr ? plan->pieces.data() : &whole;
+  const LoraPlan::Piece* pieces_end = pieces + (plan != nullptr ? plan->pieces.size() : 1);
   const auto& blocks = BLOCKS[l1_prefetch(M) ? 1 : 0];
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float bt[LoraPlan::MAX_RANK * NR];  // LoraPlan::at's copy of B^T's columns
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int64_t m1 = std::min(chunk, M - m0) + m0;
-      for (int64_t p = p0; p < p1; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
-        const float* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
-        const LoraPlan::Piece* pc = plan != nullptr ? plan->pieces.data() : &whole;
-        const LoraPlan::Piece* end = pc + (plan != nullptr ? plan->pieces.size() : 1);
-        for (; pc != end; ++pc) {  // the chunk's rows cut where the adapter changes
-          const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
-          if (a >= b) continue;
-          const Epilogue e = pc->seg >= 0 ? plan->at(pc->seg, a, p * NR, bt) : Epilogue{nullptr, 0, nullptr, 0};
-          rows_by_panel(xp, xs, a, b - a, wp + p * K * NR, K, yp + p * NR, n, ncols,
-                        bp == nullptr ? nullptr : bp + p * NR, next, e, blocks);
-          next = nullptr;
-        }
+  // Rows [m0, m1) against panels [p0, p1). bt: LoraPlan::at's copy of B^T's columns.
+  const auto panels_over = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* bt) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
+      const float* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
+      for (const LoraPlan::Piece* pc = pieces; pc != pieces_end; ++pc) {  // the rows cut where the adapter changes
+        const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
+        if (a >= b) continue;
+        const Epilogue e = pc->seg >= 0 ? plan->at(pc->seg, a, p * NR, bt) : Epilogue{nullptr, 0, nullptr, 0};
+        rows_by_panel(xp, xs, a, b - a, wp + p * K * NR, K, yp + p * NR, n, ncols,
+                      bp == nullptr ? nullptr : bp + p * NR, next, e, blocks);
+        next = nullptr;
       }
     }
+  };
+  const int64_t threads = at::get_num_threads();
+  if (plan != nullptr && (M + chunk - 1) / chunk >= threads) {
+    // The threads split the rows, not the panels: each shrinks a chunk of rows (the adapters' x @ A^T) and then
+    // runs every panel over the same chunk, while its x is still in L2; a shrink pass of its own over the whole
+    // batch before the GEMM read x from L3 or memory (a prefill chunk of 2048 tokens is 4.7 MB at K = 576). The
+    // weights' traffic is the same: each thread reads every panel once per chunk of its half of the rows, where
+    // the panel split read half the panels once per chunk of all of them. The chunks are as many per thread, so
+    // that the threads finish together. The e2e quick trace's first prefill chunk (12 segments, 2018 tokens, ranks 8
+    // and 16) over 30 layers, each layer timed cold (benchmarks/cpu_lora_prefill_bench.py --layers 30 --lengths ...
+    // --cold --baseline-source, AMD EPYC Zen 3, RESULTS.md, thirty-seventh session): the LoRA added 166.8 ms to the
+    // GEMMs with the shrink a pass of its own, 125.5 with it here, the same sums bit for bit. Below a chunk per
+    // thread the rows split lost: 64 rows (two segments) added 20.3 ms over 30 layers against 9.2 for the panel
+    // split, each thread then reading every panel for a few rows.
+    const int64_t nc = threads * ((M + threads * chunk - 1) / (threads * chunk));
+    const lora_shrink::ShrinkJob job{plan->tb, plan->layer, plan->modules, plan->s_cols, xp, xs, K, plan->s, plan->ss};
+    at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+      alignas(64) float bt[LoraPlan::MAX_RANK * NR];
+      lora_shrink::ShrinkTables tables;
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t m0 = M * c / nc, m1 = M * (c + 1) / nc;
+        for (const LoraPlan::Piece* pc = pieces; pc != pieces_end; ++pc) {
+          const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
+          if (a < b && pc->seg >= 0) lora_shrink::shrink_span(job, pc->seg, a, b - a, tables);
+        }
+        panels_over(m0, m1, 0, P, bt);
+      }
+    });
+    return y;
+  }
+  if (plan != nullptr)  // fewer chunks than threads: the shrink first, over all the rows, then the panels split
+    lora_shrink::shrink_all(
+        lora_shrink::ShrinkJob{plan->tb, plan->layer, plan->modules, plan->s_cols, xp, xs, K, plan->s, plan->ss});
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float bt[LoraPlan::MAX_RANK * NR];
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) panels_over(m0, std::min(chunk, M - m0) + m0, p0, p1, bt);
   });
   return y;
 }
@@ -312,10 +347,11 @@ at::Tensor linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bia
 }
 
 // linear, plus each segment's LoRA delta: y[seg rows, module i's columns] += s[seg rows, s_cols[i] :
-// s_cols[i] + rank] @ B^T (s from cpu_sgmv.shrink, scale applied). The segment table is the batch's
-// LoraDeviceTensors (SegTables; the scales are already in s); modules[i]
-// owns output columns [bounds[i], bounds[i + 1]). Needs D and every bound a multiple of NR (a panel
-// lies in one module and its B^T columns in one pool row); segments must not overlap.
+// s_cols[i] + rank] @ B^T, where this call first fills s [M, W] (scratch: the rows outside the segments are left
+// as they are) with scale * x[seg rows] @ A^T of modules[i] (cpu_lora_shrink.h). The segment table is the batch's
+// LoraDeviceTensors (SegTables); modules[i] owns output columns [bounds[i], bounds[i + 1]). Needs every rank one
+// the blocked shrink takes (long_ok), D and every bound a multiple of NR (a panel lies in one module and its B^T
+// columns in one pool row); segments must not overlap.
 at::Tensor linear_lora(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n,
                        at::Tensor s, at::Tensor pool_rows, at::Tensor seg_start, at::Tensor seg_len,
                        at::Tensor layout, at::Tensor scales, at::Tensor pages, int64_t rows_per_page,
@@ -330,16 +366,13 @@ at::Tensor linear_lora(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor
   TORCH_CHECK(modules.size() + 1 == bounds.size() && modules.size() == s_cols.size() && !modules.empty(),
               "one s column and one column range per module");
   TORCH_CHECK(bounds.front() == 0 && bounds.back() == n, "module columns must cover the output");
-  for (size_t i = 0; i < modules.size(); ++i) {
+  for (size_t i = 0; i < modules.size(); ++i)
     TORCH_CHECK(bounds[i] % NR == 0 && bounds[i + 1] > bounds[i] && (bounds[i + 1] - bounds[i]) % d == 0,
                 "module columns must be non-empty multiples of the panel width and of D");
-    TORCH_CHECK(modules[i] >= 0 && modules[i] < plan.tb.num_modules, "module out of range");
-    for (int64_t g = 0; g < S; ++g) {
-      const int32_t rank = plan.tb.entry(g, layer, modules[i])[0];
-      TORCH_CHECK(rank >= 0 && rank <= LoraPlan::MAX_RANK && s_cols[i] + rank <= s.size(1),
-                  "rank ", rank, " does not fit s or the epilogue");
-    }
-  }
+  // Segments inside the batch, modules in range, ranks the shrink takes (long_ok: at most MAX_RANK, as the
+  // epilogue's copy of B^T needs) and inside s
+  lora_shrink::check_shrink(plan.tb, layer, modules, s_cols, M, s.size(1));
+  static_assert(lora_shrink::MAX_RANK <= LoraPlan::MAX_RANK, "the epilogue takes every rank the shrink does");
   plan.modules = std::move(modules), plan.bounds = std::move(bounds), plan.s_cols = std::move(s_cols);
   std::vector<std::pair<int64_t, int64_t>> segs;  // (start, segment)
   const int32_t *st = plan.tb.st, *ln = plan.tb.ln;
@@ -364,6 +397,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs: the server's threads keep going meanwhile.
   m.def("linear", &linear, "y = x @ W^T (+ bias) with W packed in panels", py::arg("x"), py::arg("panels"),
         py::arg("bias"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
-  m.def("linear_lora", &linear_lora, "linear with each segment's LoRA expand in the epilogue",
+  m.def("linear_lora", &linear_lora, "linear with each segment's LoRA shrink before and expand in the epilogue",
         py::call_guard<py::gil_scoped_release>());
+  // linear_lora fills s itself (earlier builds took it from cpu_sgmv.shrink; benchmarks time those beside this)
+  m.attr("SHRINKS_INSIDE") = true;
 }

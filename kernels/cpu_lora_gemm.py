@@ -1,5 +1,6 @@
-"""Prefill LoRA inside the packed GEMM on the CPU: the shrink by cpu_sgmv.shrink, the expand in the
-epilogue of cpu_linear's GEMM (cpu_linear.linear_lora), both reading the adapters in place from the pool.
+"""Prefill LoRA inside the packed GEMM on the CPU (cpu_linear.linear_lora): the shrink of each chunk of rows
+(cpu_lora_shrink.h) just before the GEMM's panels run over it, the expand in their epilogue, both reading the
+adapters in place from the pool.
 
 Why: a separate SGMV pass over a prefill chunk reads and writes every output row a second time, and
 at 2048 tokens those rows no longer sit in L2 (qkv and gate/up of one layer are 9 and 25 MB). In the
@@ -86,14 +87,27 @@ def linear_lora(
     cols: ModuleColumns,
     ext: ModuleType | None = None,
 ) -> torch.Tensor:  # [T, out] = x @ W^T + b + each fused segment's LoRA delta
-    """ext: the cpu_linear build to run (default: this checkout's; benchmarks pass an earlier one's)."""
+    """The shrink and the GEMM with the expand in its epilogue, in one call of the kernel: its threads split the
+    rows, and each shrinks its chunk of them just before its panels run over it (cpu_linear.cpp, run()).
+    ext: the cpu_linear build to run (default: this checkout's; benchmarks pass an earlier one's, and a build from
+    before the shrink moved inside gets it from cpu_sgmv.shrink first, as the engine then did)."""
     x = x if x.stride(1) == 1 else x.contiguous()
-    s, s_cols = shrink(x, pool_rows, fused, layer, cols)
+    ext = ext or load_extension("cpu_linear")
+    if getattr(ext, "SHRINKS_INSIDE", False):
+        s, s_cols = _scratch(x, fused, cols)
+    else:
+        s, s_cols = shrink(x, pool_rows, fused, layer, cols)
     t = fused.device_tensors
-    return (ext or load_extension("cpu_linear")).linear_lora(x, w.panels, b, w.out_features, s, pool_rows, t.seg_start,
-                                                    t.seg_len, t.layout, t.scales, t.pages,
-                                                    fused.segments[0].adapter.rows_per_page, layer,
-                                                    list(cols.modules), list(cols.bounds), s_cols)
+    return ext.linear_lora(x, w.panels, b, w.out_features, s, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales,
+                           t.pages, fused.segments[0].adapter.rows_per_page, layer, list(cols.modules),
+                           list(cols.bounds), s_cols)
+
+
+def _scratch(x: torch.Tensor, fused: LoraBatch, cols: ModuleColumns) -> tuple[torch.Tensor, list[int]]:
+    """s [T, max_rank * modules] for the shrink's outputs, each module in a column band of max_rank (a segment of
+    lower rank leaves its band's tail unread), and the bands' starts. Rows outside the segments: unread."""
+    r = fused.max_rank
+    return torch.empty(x.shape[0], r * len(cols.modules), dtype=x.dtype), [i * r for i in range(len(cols.modules))]
 
 
 def shrink(
@@ -104,12 +118,11 @@ def shrink(
     cols: ModuleColumns,
     ext: ModuleType | None = None,
 ) -> tuple[torch.Tensor, list[int]]:  # s [T, max_rank * modules] = scale * x @ A^T per module; its band starts
-    """linear_lora's first half: the fused segments' x @ A^T for every module of the projection (one pass
-    over x), each module in a column band of max_rank; a segment of lower rank leaves its band's tail unread.
-    ext: the cpu_sgmv build to run (default: this checkout's; benchmarks pass an earlier one's)."""
-    r = fused.max_rank
-    s_cols = [i * r for i in range(len(cols.modules))]
-    s = torch.empty(x.shape[0], r * len(cols.modules), dtype=x.dtype)  # rows outside the segments: unread
+    """The fused segments' x @ A^T for every module of the projection (one pass over x; the same sums as
+    linear_lora's own shrink): for the benchmarks, which time it alone, and for cpu_linear builds from before the
+    shrink moved inside. ext: the cpu_sgmv build to run (default: this checkout's; benchmarks pass an earlier
+    one's)."""
+    s, s_cols = _scratch(x, fused, cols)
     t = fused.device_tensors
     (ext or load_extension("cpu_sgmv")).shrink(s, x, pool_rows, t.seg_start, t.seg_len, t.layout, t.scales, t.pages,
                                                fused.segments[0].adapter.rows_per_page, layer, list(cols.modules),

@@ -58,3 +58,19 @@ def test_bench_runs_a_step_of_layers_with_given_segments(tmp_path):
     # Every layer's LoRA: (20 + 24) tokens at rank 8 and 13 at rank 16, on all 7 modules of both layers.
     assert result["lora_gflop"] == 2 * 2 * (44 * 8 + 13 * 16) * (576 * 7 + 192 * 2 + 576 * 2 + 1536 * 3) / 1e9
     assert result["ms_q1"]["shrink"] < result["ms_q1"]["fused"]
+
+
+def test_bench_times_each_layer_cold(tmp_path):
+    """--cold: each layer's call of each path timed alone after a flush; a step is the per-layer medians summed, and
+    what a path adds the per-layer paired medians summed (a shrink's, its own time)."""
+    require_built("cpu_linear", cpu_linear.available(), "linear kernel")
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    result = cpu_lora_prefill_bench.main(["--layers", "3", "--lengths", "20", "30", "--paths", "fused", "shrink",
+                                          "--reps", "3", "--cold", "--out", str(tmp_path / "c.json")])
+    assert result["cold"] is True
+    assert set(result["cold_step_ms"]) == {"base", "fused", "shrink"} and set(result["cold_added_ms"]) == {"fused",
+                                                                                                           "shrink"}
+    assert all(t > 0 for t in result["cold_step_ms"].values())
+    assert result["cold_added_ms"]["shrink"] == result["cold_step_ms"]["shrink"]
+    assert all(len(ts) == 3 for ts in result["all_ms"].values())  # a step's time per round: its layers' calls summed
+    assert result["cold_step_ms"]["shrink"] < result["cold_step_ms"]["fused"]

@@ -41,14 +41,14 @@ def test_calls_are_split_by_step_kind_and_add_up_to_the_steps(result):
             assert s["prefill"]["gemm"] + s["prefill"]["gemm_lora"] > 0 and s["decode"]["gemm"] > 0
             assert s["prefill"]["paged_attention"] > 0 and s["decode"]["paged_attention"] > 0
             for kind in offline_profile.KINDS:
-                timed = sum(v for c, v in s[kind].items() if c not in ("step", "other", *offline_profile.NESTED))
+                timed = sum(v for c, v in s[kind].items() if c not in ("step", "other"))
                 assert s[kind]["other"] == pytest.approx(s[kind]["step"] - timed)
                 assert 0 < timed <= s[kind]["step"]
             assert sum(s[k]["step"] for k in offline_profile.KINDS) <= run["wall_s"] * 1.01 + 0.05
 
 
 def test_only_the_run_with_adapters_calls_the_lora_kernels(result):
-    lora_calls = ("gemm_lora", "shrink", "apply_lora_group")
+    lora_calls = ("gemm_lora", "apply_lora_group")
     for run in result["runs"]["B"]:
         assert all(run["seconds"][k][c] == 0 for k in offline_profile.KINDS for c in lora_calls)
     for run in result["runs"]["A"]:
@@ -57,7 +57,7 @@ def test_only_the_run_with_adapters_calls_the_lora_kernels(result):
 
 
 def test_the_engine_and_modules_are_left_as_they_were(tmp_path):
-    engine_calls = (llama.linear, cpu_lora_gemm.linear_lora, cpu_lora_gemm.shrink)
+    engine_calls = (llama.linear, cpu_lora_gemm.linear_lora)
     model = make_tiny_model(tmp_path / "model", "llama", seed=6)
     from loraplex.config import EngineConfig
     from loraplex.engine import EngineCore
@@ -67,5 +67,5 @@ def test_the_engine_and_modules_are_left_as_they_were(tmp_path):
     with offline_profile.timed_engine(engine, offline_profile.Timers()):
         assert engine.runner.ops is not ops and llama.linear is not engine_calls[0]
     assert engine.runner.ops is ops
-    assert (llama.linear, cpu_lora_gemm.linear_lora, cpu_lora_gemm.shrink) == engine_calls
+    assert (llama.linear, cpu_lora_gemm.linear_lora) == engine_calls
     assert "forward" not in vars(engine.model) and "step" not in vars(engine)

@@ -9,13 +9,14 @@ the short segments and ranks the blocked kernels do not take to ops.apply_lora.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_testkit import PageDealer, rel_err
-from loraplex.kernels import cpu_linear, cpu_lora_gemm, cpu_sgmv
+from loraplex.kernels import LoraBatch, cpu_linear, cpu_lora_gemm, cpu_sgmv
 from native_kernels import require_built
 from sgmv_testkit import build_batch, lora_delta_ref, place, poisoned_pool, random_lora_adapter, sgmv_geometry
 
@@ -42,9 +43,23 @@ def cases(draw):
     )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(case=cases())
-def test_linear_lora_matches_float64(case):
+@dataclass
+class Projection:
+    """One fused projection of a random case: its inputs, the split, and the float64 reference."""
+
+    x: torch.Tensor  # [T, in]
+    packed: cpu_linear.PackedWeight
+    b: torch.Tensor | None
+    pool_rows: torch.Tensor
+    lora: LoraBatch
+    parts: cpu_lora_gemm.FusedSplit
+    layer: int
+    cols: cpu_lora_gemm.ModuleColumns
+    ref: torch.Tensor  # [T, out] float64: x @ W^T + b + the fused segments' deltas
+    fused_rows: torch.Tensor  # [T] bool
+
+
+def _projection(case: dict) -> Projection:
     rng = random.Random(case["seed"])
     gen = torch.Generator().manual_seed(case["seed"])
     d, k = case["d"], case["in_features"]
@@ -61,36 +76,71 @@ def test_linear_lora_matches_float64(case):
     pool = poisoned_pool(geometry, torch.device("cpu"))
     dealer = PageDealer(geometry.num_pages, rng)
     residencies = [place(pool, dealer, a) for a in adapters]
-    assignment = [rng.randrange(len(adapters) + 1) for _ in case["lens"]]  # the last index: no adapter
-    req_adapter = [None if a == len(adapters) else a for a in assignment]
+    assignment = case.get("assignment") or [rng.randrange(len(adapters) + 1) for _ in case["lens"]]
+    req_adapter = [None if a == len(adapters) else a for a in assignment]  # the last index: no adapter
     lora, token_adapter = build_batch(residencies, case["lens"], req_adapter, False, 0, rng)
     T = lora.num_tokens
     x = torch.randn(T, k, generator=gen)
     w = torch.randn(bounds[-1], k, generator=gen) / k**0.5
     b = torch.randn(bounds[-1], generator=gen) if case["bias"] else None
-    packed = cpu_linear.pack(w)
     layer = rng.randrange(2)
-
     parts = cpu_lora_gemm.split(lora, d)
-    fused_ids = {id(s) for s in parts.fused.segments} if parts.fused else set()
-    for seg in lora.segments:  # the split: long segments go to the epilogue (every rank here is a multiple of 8)
-        assert (id(seg) in fused_ids) == (seg.length > cpu_sgmv.LONG_SEGMENT)
-    plain = cpu_linear.linear(x, packed, b)
-    if parts.fused is None:
-        return
-    y = cpu_lora_gemm.linear_lora(x, packed, b, pool.rows(), parts.fused, layer,
-                                  cpu_lora_gemm.ModuleColumns(modules, tuple(bounds)))
-
     fused_rows = torch.zeros(T, dtype=torch.bool)
-    for seg in parts.fused.segments:
+    for seg in parts.fused.segments if parts.fused else ():
         fused_rows[seg.start : seg.start + seg.length] = True
     ref = x.double() @ w.double().t() + (b.double() if b is not None else 0)
     fused_adapter = [a if fused_rows[t] else None for t, a in enumerate(token_adapter)]
     for m in modules:
         _, delta = lora_delta_ref(x, fused_adapter, adapters, layer, m, outs[m], torch.float32)
         ref[:, bounds[m] : bounds[m + 1]] += delta
-    assert rel_err(y[fused_rows], ref[fused_rows]) < 1e-5
-    assert torch.equal(y[~fused_rows], plain[~fused_rows])  # the plain kernel's result, bit for bit
+    return Projection(x, cpu_linear.pack(w), b, pool.rows(), lora, parts, layer,
+                      cpu_lora_gemm.ModuleColumns(modules, tuple(bounds)), ref, fused_rows)
+
+
+def _run(p: Projection) -> torch.Tensor:  # [T, out]
+    return cpu_lora_gemm.linear_lora(p.x, p.packed, p.b, p.pool_rows, p.parts.fused, p.layer, p.cols)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases())
+def test_linear_lora_matches_float64(case):
+    p = _projection(case)
+    fused_ids = {id(s) for s in p.parts.fused.segments} if p.parts.fused else set()
+    for seg in p.lora.segments:  # the split: long segments go to the epilogue (every rank here is a multiple of 8)
+        assert (id(seg) in fused_ids) == (seg.length > cpu_sgmv.LONG_SEGMENT)
+    plain = cpu_linear.linear(p.x, p.packed, p.b)
+    if p.parts.fused is None:
+        return
+    y = _run(p)
+    assert rel_err(y[p.fused_rows], p.ref[p.fused_rows]) < 1e-5
+    assert torch.equal(y[~p.fused_rows], plain[~p.fused_rows])  # the plain kernel's result, bit for bit
+
+
+@pytest.mark.parametrize("lens", [[40, 9, 20], [300, 5, 180, 120]], ids=["one-chunk", "many-chunks"])
+def test_the_threads_split_rows_or_panels_to_the_same_sums(lens, monkeypatch):
+    """linear_lora's threads split the rows, each shrinking its own chunk before its panels, where the batch has a
+    chunk of rows per thread or more, else the panels after one shrink of all rows: one thread always takes the
+    first way; two threads take the second for 69 rows and the first for 605 (chunks of 72-78 rows at K = 1600 + d).
+    Every row's sums are the same either way, bit for bit, and the float64 reference's within float32's error.
+    The shrink's scratch is poisoned, so that a row the shrink leaves unwritten fails."""
+    scratch = cpu_lora_gemm._scratch
+    monkeypatch.setattr(cpu_lora_gemm, "_scratch", lambda *a: (lambda s, c: (s.fill_(float("nan")), c))(*scratch(*a)))
+    d = cpu_linear.panel_width()
+    case = dict(d=d, widths=[2, 1, 1], in_features=1600 + d, rows_per_page=6, ranks=[[16, 8, 24], [8, 8, 8]],
+                lens=lens, assignment=[0, 2, 1, 0][: len(lens)], bias=True, seed=random.randrange(2**31))
+    p = _projection(case)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(p)
+        torch.set_num_threads(2)
+        two = _run(p)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert rel_err(one[p.fused_rows], p.ref[p.fused_rows]) < 1e-5
+    plain = cpu_linear.linear(p.x, p.packed, p.b)
+    assert torch.equal(one[~p.fused_rows], plain[~p.fused_rows])
 
 
 def test_split_leaves_ranks_the_blocked_kernels_do_not_take():
