@@ -12,12 +12,15 @@ engine makes them (wall seconds of the calling thread, the kernels' own threads 
 - paged_attention, write_kv; rms_norm, add_rms_norm, rope, swiglu (the model's pointwise ops);
 - step: EngineCore.step as a whole; other: step minus the calls above (scheduling, sampling, Python).
 Each is split by step kind: prefill (a step holding a prompt chunk, with or without decode tokens) and decode.
-Per run A and B the medians over rounds, and A minus B: where the adapters' extra time goes.
+Per run A and B the medians over rounds, and A minus B: where the adapters' extra time goes. With --baseline-source
+OLD.cpp (an earlier kernels/cpu_linear.cpp), a run C with adapters whose prefill LoRA GEMMs come from that build
+joins the rounds (A B C C B A ...), and A minus C says what the change did inside the engine's steps.
 
 Sessions had written `/tmp` scripts of this kind again and again (RESULTS.md); this one keeps the split one
 command.
 
     .venv/bin/python benchmarks/offline_profile.py [--preset quick] [--rounds 2] [--work-dir DIR] [--out F]
+                                                   [--baseline-source OLD_cpu_linear.cpp]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 _BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(_BENCH))
@@ -43,6 +47,7 @@ from e2e.systems import LoraplexSystem  # noqa: E402
 from e2e.workload import all_at_once, ensure_adapters, used_adapters  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
 from loraplex.kernels import cpu_lora_gemm  # noqa: E402
+from loraplex.kernels.cpu_build import baseline_builds  # noqa: E402
 from loraplex.models import llama  # noqa: E402
 
 KINDS = ("prefill", "decode")
@@ -56,6 +61,7 @@ class Timers:
     def __init__(self) -> None:
         self.kind = "decode"
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.gemm_ext: ModuleType | None = None  # the cpu_linear build linear_lora runs (None: this checkout's)
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -111,6 +117,10 @@ def timed_engine(engine: EngineCore, timers: Timers) -> Iterator[None]:
         return forward(step, *args, **kwargs)
 
     step = engine.step
+    linear_lora = cpu_lora_gemm.linear_lora
+
+    def gemm_lora(*args):
+        return linear_lora(*args, ext=timers.gemm_ext)
 
     def timed_step():
         t = time.perf_counter()
@@ -121,7 +131,7 @@ def timed_engine(engine: EngineCore, timers: Timers) -> Iterator[None]:
 
     with _over(engine.runner, "ops", timed_ops), _over(model, "forward", forward_of_kind), \
             _over(engine, "step", timed_step), _over(llama, "linear", timers.wrap("gemm", llama.linear)), \
-            _over(cpu_lora_gemm, "linear_lora", timers.wrap("gemm_lora", cpu_lora_gemm.linear_lora)):
+            _over(cpu_lora_gemm, "linear_lora", timers.wrap("gemm_lora", gemm_lora)):
         yield
 
 
@@ -138,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/lp-offline-profile"),
                     help="where the trace's adapters are written (reused across runs)")
     ap.add_argument("--out", type=Path, default=_BENCH / "results" / "offline_profile.json")
+    ap.add_argument("--baseline-source", type=Path, default=None,
+                    help="an earlier kernels/cpu_linear.cpp: run C, with adapters, takes its prefill LoRA GEMMs")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -148,14 +160,21 @@ def main(argv: list[str] | None = None) -> dict:
                                       args.seed).items():
         engine.load_adapter(name, path)
     systems = {"A": LoraplexSystem("with-adapters", engine, True), "B": LoraplexSystem("without", engine, False)}
-    systems["A"].warmup()
-    for s in systems.values():  # a first untimed run each: the steps' buffers and the kernels' first calls
-        s.serve(requests)
+    baseline = baseline_builds([args.baseline_source], "baseline_cpu_linear")["baseline"] if args.baseline_source \
+        else None
+    if baseline is not None:
+        systems["C"] = LoraplexSystem("with-adapters-baseline", engine, True)
     timers = Timers()
-    runs: dict[str, list[dict]] = {"A": [], "B": []}
+    systems["A"].warmup()
+    with timed_engine(engine, timers):
+        for label, s in systems.items():  # a first untimed run each: the steps' buffers and the kernels' first calls
+            timers.gemm_ext = baseline if label == "C" else None
+            s.serve(requests)
+    runs: dict[str, list[dict]] = {label: [] for label in systems}
     with timed_engine(engine, timers):
         for r in range(args.rounds):
-            for label in ("AB" if r % 2 == 0 else "BA"):
+            for label in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
+                timers.gemm_ext = baseline if label == "C" else None
                 timers.take()
                 result = systems[label].serve(requests)
                 runs[label].append({"wall_s": result.wall_s, "steps": result.extra["steps"],
@@ -168,17 +187,24 @@ def main(argv: list[str] | None = None) -> dict:
            "wall_s_median": {label: statistics.median(r["wall_s"] for r in rs) for label, rs in runs.items()},
            "median_s": med,
            "a_minus_b_s": {k: {c: med["A"][k][c] - med["B"][k][c] for c in med["A"][k]} for k in KINDS}}
+    if baseline is not None:
+        out["baseline_source"] = str(args.baseline_source)
+        out["a_minus_c_s"] = {k: {c: med["A"][k][c] - med["C"][k][c] for c in med["A"][k]} for k in KINDS}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
+    c_wall = f", with the baseline's GEMMs {out['wall_s_median']['C']:.2f} s" if baseline is not None else ""
     print(f"{len(requests)} requests, {out['distinct_adapters']} adapters, {args.rounds} rounds; wall median "
-          f"with {out['wall_s_median']['A']:.2f} s, without {out['wall_s_median']['B']:.2f} s")
-    print("| steps | call | with adapters, s | without, s | difference, s |")
-    print("|---|---|---|---|---|")
+          f"with {out['wall_s_median']['A']:.2f} s, without {out['wall_s_median']['B']:.2f} s{c_wall}")
+    c_head = " baseline (C), s | A - C, s |" if baseline is not None else ""
+    print(f"| steps | call | with adapters (A), s | without (B), s | A - B, s |{c_head}")
+    print("|---|---|---|---|---|" + ("---|---|" if baseline is not None else ""))
     for k in KINDS:
         for c in (*CALLS, "other", "step"):
             a, b = med["A"][k][c], med["B"][k][c]
-            if a or b:
-                print(f"| {k} | {c} | {a:.3f} | {b:.3f} | {a - b:+.3f} |")
+            cc = med["C"][k][c] if baseline is not None else 0.0
+            if a or b or cc:
+                c_cols = f" {cc:.3f} | {a - cc:+.3f} |" if baseline is not None else ""
+                print(f"| {k} | {c} | {a:.3f} | {b:.3f} | {a - b:+.3f} |{c_cols}")
     print(f"wrote {args.out}")
     return out
 

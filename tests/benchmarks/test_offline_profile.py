@@ -69,3 +69,39 @@ def test_the_engine_and_modules_are_left_as_they_were(tmp_path):
     assert engine.runner.ops is ops
     assert (llama.linear, cpu_lora_gemm.linear_lora) == engine_calls
     assert "forward" not in vars(engine.model) and "step" not in vars(engine)
+
+
+def test_a_baseline_build_runs_as_a_third_system(tmp_path):
+    """--baseline-source: run C, with adapters, in the same rounds as A and B (here with the kernel's own source
+    built under another name; the tiny preset's prompts are too short for the GEMM's LoRA, the next test routes it)."""
+    from loraplex.kernels import cpu_linear
+
+    model = make_tiny_model(tmp_path / "model", "llama", seed=7)
+    src = Path(cpu_linear.__file__).with_suffix(".cpp")
+    out = offline_profile.main(["--preset", "tiny", "--model", str(model), "--rounds", "2", "--work-dir",
+                                str(tmp_path / "work"), "--out", str(tmp_path / "p.json"), "--baseline-source",
+                                str(src)])
+    assert [len(out["runs"][label]) for label in "ABC"] == [2, 2, 2]
+    assert out["baseline_source"] == str(src) and set(out["a_minus_c_s"]) == set(offline_profile.KINDS)
+    for run in out["runs"]["C"]:
+        assert run["seconds"]["decode"]["apply_lora_group"] > 0  # C serves the adapters as A does
+
+
+def test_the_timers_build_runs_the_engines_lora_gemms(tmp_path, monkeypatch):
+    """Inside timed_engine the engine's cpu_lora_gemm.linear_lora calls (seven arguments, llama.py) run the build that
+    Timers.gemm_ext names, and are timed as gemm_lora."""
+    from loraplex.config import EngineConfig
+    from loraplex.engine import EngineCore
+
+    engine = EngineCore(EngineConfig(model=str(make_tiny_model(tmp_path / "model", "llama", seed=8)), dtype="float32",
+                                     device="cpu", pool_bytes=8 << 20))
+    got = []
+    monkeypatch.setattr(cpu_lora_gemm, "linear_lora", lambda *a, ext=None: got.append((a, ext)) or "y")
+    timers = offline_profile.Timers()
+    build = object()  # stands for a compiled module: only passed on
+    with offline_profile.timed_engine(engine, timers):
+        assert cpu_lora_gemm.linear_lora(*range(7)) == "y"
+        timers.gemm_ext = build
+        assert cpu_lora_gemm.linear_lora(*range(7)) == "y"
+    assert got == [(tuple(range(7)), None), (tuple(range(7)), build)]
+    assert timers.take()["decode"]["gemm_lora"] > 0
