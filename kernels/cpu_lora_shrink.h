@@ -25,16 +25,11 @@ namespace lora_shrink {
 constexpr int MAX_RANK = 256;
 #if defined(__AVX512F__)
 constexpr int VEC = 16;  // floats per vector register: AVX-512 has 32 of them, AVX2 16 of 8
+constexpr int LMR = 12;  // tokens per block: 2 x 12 expand accumulators (cpu_sgmv's long_block) of the 32 registers
 #else
 constexpr int VEC = 8;
-#endif
-
-#if defined(__AVX512F__)
-constexpr int LMR = 12;  // tokens per block: 2 x 12 expand accumulators of the 32 registers
-#else
 constexpr int LMR = 6;   // of the 16 on AVX2
 #endif
-
 
 typedef float vecv __attribute__((vector_size(VEC * sizeof(float))));
 typedef float vecv_u __attribute__((vector_size(VEC * sizeof(float)), aligned(4)));
