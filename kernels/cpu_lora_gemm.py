@@ -87,8 +87,9 @@ def linear_lora(
     cols: ModuleColumns,
     ext: ModuleType | None = None,
 ) -> torch.Tensor:  # [T, out] = x @ W^T + b + each fused segment's LoRA delta
-    """The shrink and the GEMM with the expand in its epilogue, in one call of the kernel: its threads split the
-    rows, and each shrinks its chunk of them just before its panels run over it (cpu_linear.cpp, run()).
+    """The shrink and the GEMM with the expand in its epilogue, in one call of the kernel: where the batch has a
+    chunk of rows per thread its threads split the rows, each shrinking its chunk just before its panels run over
+    it; below that, the shrink over all rows, then the panels split (cpu_linear.cpp, run()).
     ext: the cpu_linear build to run (default: this checkout's; benchmarks pass an earlier one's, and a build from
     before the shrink moved inside gets it from cpu_sgmv.shrink first, as the engine then did)."""
     x = x if x.stride(1) == 1 else x.contiguous()
