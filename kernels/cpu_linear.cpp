@@ -218,6 +218,11 @@ struct LoraPlan {
   std::vector<int64_t> modules, bounds, s_cols;  // module i: output columns [bounds[i], bounds[i + 1])
   std::vector<Piece> pieces;                     // in row order, covering every row
 
+  // The shrink that fills s: this plan's segments and modules over x [M, K] (row stride xs).
+  lora_shrink::ShrinkJob shrink_job(const float* x, int64_t xs, int64_t K) const {
+    return lora_shrink::ShrinkJob{tb, layer, modules, s_cols, x, xs, K, s, ss};
+  }
+
   // The epilogue of segment seg's rows (from row r) at panel columns [c, c + NR), its B^T columns copied into
   // bt [rank, NR]. Why a copy: the piece's blocks each read all of them after their K loop has streamed the
   // panel (K x NR floats, more than L1) through L1, and in the pool B^T's rows lie `out` floats apart: at
@@ -311,7 +316,7 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
     // thread the rows split lost: 64 rows (two segments) added 20.3 ms over 30 layers against 9.2 for the panel
     // split, each thread then reading every panel for a few rows.
     const int64_t nc = threads * ((M + threads * chunk - 1) / (threads * chunk));
-    const lora_shrink::ShrinkJob job{plan->tb, plan->layer, plan->modules, plan->s_cols, xp, xs, K, plan->s, plan->ss};
+    const lora_shrink::ShrinkJob job = plan->shrink_job(xp, xs, K);
     at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
       alignas(64) float bt[LoraPlan::MAX_RANK * NR];
       lora_shrink::ShrinkTables tables;
@@ -327,8 +332,7 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
     return y;
   }
   if (plan != nullptr)  // fewer chunks than threads: the shrink first, over all the rows, then the panels split
-    lora_shrink::shrink_all(
-        lora_shrink::ShrinkJob{plan->tb, plan->layer, plan->modules, plan->s_cols, xp, xs, K, plan->s, plan->ss});
+    lora_shrink::shrink_all(plan->shrink_job(xp, xs, K));
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float bt[LoraPlan::MAX_RANK * NR];
     for (int64_t m0 = 0; m0 < M; m0 += chunk) panels_over(m0, std::min(chunk, M - m0) + m0, p0, p1, bt);
@@ -376,10 +380,8 @@ at::Tensor linear_lora(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor
   plan.modules = std::move(modules), plan.bounds = std::move(bounds), plan.s_cols = std::move(s_cols);
   std::vector<std::pair<int64_t, int64_t>> segs;  // (start, segment)
   const int32_t *st = plan.tb.st, *ln = plan.tb.ln;
-  for (int64_t g = 0; g < S; ++g) {
-    TORCH_CHECK(st[g] >= 0 && ln[g] >= 0 && st[g] + ln[g] <= M, "segment outside the batch");
+  for (int64_t g = 0; g < S; ++g)  // inside the batch: check_shrink
     if (ln[g] > 0) segs.emplace_back(st[g], g);
-  }
   std::sort(segs.begin(), segs.end());
   int64_t r = 0;
   for (const auto& [start, g] : segs) {
