@@ -350,7 +350,7 @@ constexpr int64_t FEW_AHEAD = 1024;
 // session): 64 tokens over 30 adapters -1.18 and -1.46 ms of 17.4 and 14.1 (faster in 38 and 37 of 40 rounds),
 // one thread -3.45 of 26.3; 48 / 30 -1.11, 24 / 16 -0.46, 8 / 8 -0.12 (no change). Asking for two floats a float
 // read ran 0 to 2 ms slower than one, and half a float 0.8 ms slower. Those runs took the row sweep
-// (few_expand_rows); the column chunks' asks (few_expand, Intel Xeons) were not measured.
+// (few_expand_rows). On Intel Xeons the asks made the step slower, whichever expand ran: next_item_asks.
 struct NextItem {
   Pages pg{nullptr, nullptr, 1};
   int64_t e[2]{}, end[2]{};
@@ -374,6 +374,28 @@ struct NextItem {
     }
   }
 };
+
+// Whether the decode items ask for the next item's bytes (NextItem): on AMD CPUs, not on the others. On an Intel
+// Xeon (family 6 model 167, AVX-512, 2 MB L2 a core; benchmarks/cpu_lora_decode_bench.py with the build without the
+// asks beside this one, alternating in one process, paired medians of 30 rounds, RESULTS.md, thirty-eighth session)
+// the asks cost 64 tokens over 30 adapters +1.76 ms of 21.9 (slower in 27 of 30 rounds), one thread +2.87 of 39.3
+// (30 of 30), 48 / 30 +1.41, 24 / 16 +1.00, 8 / 8 +0.20; with the row sweep the same (+1.64 at 64 / 30). The VM
+// gives no hardware counters to say why; a likely cause is that a software prefetch there holds one of the core's
+// few fill buffers until its line arrives, where the hardware's own streams over the adapters' runs of pages do
+// not. On the AMD EPYC Zen 3 (AVX2) the asks measured within noise, on the Zen 4 faster (above). LORAPLEX_SGMV_NEXT_ITEM / _NO_NEXT_ITEM force
+// either (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
+bool next_item_asks() {
+#if defined(LORAPLEX_SGMV_NEXT_ITEM)
+  return true;
+#elif defined(LORAPLEX_SGMV_NO_NEXT_ITEM)
+  return false;
+#elif defined(__x86_64__) || defined(__i386__)
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return true;  // measured on x86 CPUs only: as it was before the Intel runs
+#endif
+}
 
 // Accumulators the decode shrink may hold: NT tokens x NV vectors x P phases, half the registers or so.
 constexpr int FEW_ACC = VEC == 16 ? 16 : 8;
@@ -656,11 +678,12 @@ void run_items(const std::vector<GroupItem>& items, float* yp, int64_t ys, const
   const int64_t d = tb.d;
   const int64_t parts = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   const std::vector<int64_t> cuts = balanced_cuts(items, tb, layer, in, parts);
+  const bool asks = next_item_asks();
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     NextItem next;
     for (int64_t n = cuts[p0]; n < cuts[p1]; ++n) {
       next.r = 2;  // this thread's next item, if it has one (a long item reads its matrices many times: none)
-      if (n + 1 < cuts[p1] && !items[n + 1].it.blocked) {
+      if (asks && n + 1 < cuts[p1] && !items[n + 1].it.blocked) {
         const GroupItem& g = items[n + 1];
         const int32_t* ln = tb.entry(g.it.seg, layer, g.module);
         next.start(tb.pages_of(g.it.seg), static_cast<int64_t>(ln[1]) * d, static_cast<int64_t>(ln[0]) * in,
@@ -769,6 +792,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "takes the decode kernels");
   m.def("long_ok", &long_ok, "whether segments longer than max_len with this rank and pool row width D take the "
         "blocked path (else they are left to the caller)");
+  m.def("next_item_asks", &next_item_asks, "whether this build's decode items ask for the next item's bytes "
+        "(NextItem)");
   m.def("expand_by_rows", &expand_by_rows, "whether this build's decode expand sweeps B^T's rows (else column "
         "chunks down them)");
 }

@@ -123,14 +123,19 @@ def test_avx2_build_matches_float64(ext_avx2, spec):
 @pytest.fixture(scope="module")
 def ext_other_expand():
     """The AVX-512 kernel built with the decode expand this CPU's build does not pick (expand_by_rows: B^T's rows
-    on AMD CPUs, column chunks on the others), so that each machine checks both."""
+    on AMD CPUs, column chunks on the others), and with the next item's asks where this build has none or none
+    where it has them (next_item_asks: on AMD CPUs), so that each machine checks both of each."""
     cpuinfo = Path("/proc/cpuinfo")
     if " avx512f" not in (cpuinfo.read_text() if cpuinfo.exists() else ""):
         pytest.skip("the two decode expands are the AVX-512 build's; the AVX2 build has one")
-    force = "COLUMNS" if load_extension("cpu_sgmv").expand_by_rows() else "ROWS"
+    ext = load_extension("cpu_sgmv")
+    force = "COLUMNS" if ext.expand_by_rows() else "ROWS"
+    asks = "NO_NEXT_ITEM" if ext.next_item_asks() else "NEXT_ITEM"
     src = Path(cpu_sgmv.__file__).with_name("cpu_sgmv.cpp")
-    return cpu_build.compile_source(src, f"test_expand_{force.lower()}_cpu_sgmv",
-                                    extra_cflags=[f"-DLORAPLEX_SGMV_EXPAND_{force}"])
+    other = cpu_build.compile_source(src, f"test_expand_{force.lower()}_{asks.lower()}_cpu_sgmv",
+                                     extra_cflags=[f"-DLORAPLEX_SGMV_EXPAND_{force}", f"-DLORAPLEX_SGMV_{asks}"])
+    assert other.expand_by_rows() != ext.expand_by_rows() and other.next_item_asks() != ext.next_item_asks()
+    return other
 
 
 @FAST
