@@ -382,8 +382,9 @@ struct NextItem {
 // (30 of 30), 48 / 30 +1.41, 24 / 16 +1.00, 8 / 8 +0.20; with the row sweep the same (+1.64 at 64 / 30). The VM
 // gives no hardware counters to say why; a likely cause is that a software prefetch there holds one of the core's
 // few fill buffers until its line arrives, where the hardware's own streams over the adapters' runs of pages do
-// not. On the AMD EPYC Zen 3 (AVX2) the asks measured within noise, on the Zen 4 faster (above). LORAPLEX_SGMV_NEXT_ITEM / _NO_NEXT_ITEM force
-// either (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
+// not. On the AMD EPYC Zen 3 (AVX2) the asks measured within noise, on the Zen 4 faster (above).
+// LORAPLEX_SGMV_NEXT_ITEM / _NO_NEXT_ITEM force either (tests/kernels/test_cpu_sgmv.py builds the one not chosen
+// here).
 bool next_item_asks() {
 #if defined(LORAPLEX_SGMV_NEXT_ITEM)
   return true;
