@@ -7,12 +7,17 @@ compare). The 2048-square matmul rate is measured between the shapes as the ceil
 
 Per shape, the weights were just read by the call before: they come from the caches. --stream instead runs
 what a forward pass runs: all layers' projections (each its own weights, 538 MB with the LM head, read from
-memory) and the LM head, once per backend in turn, and reports the whole pass.
+memory) and the LM head, once per backend in turn, and reports the whole pass. The packed kernel's weights then
+lie in one buffer on 2 MiB pages, as the engine holds them (cpu_gemm.on_huge_pages); --small-pages leaves each in
+an allocation of its own, as this benchmark held them before the thirty-eighth session. On an Intel Xeon (model
+167) that placement alone took a pass at 1 / 8 / 16 rows from 23.5 / 31.1 / 37.5 to 20.2 / 26.3 / 32.1 ms (a /tmp
+script, the two alternating; RESULTS.md, thirty-eighth session), so figures for the kernel that leave it out
+misstate what a decode step spends.
 
 Writes JSON (--out) and prints a table of GFLOP/s (best of the repeats, and the median).
 Usage:
     .venv/bin/python benchmarks/cpu_linear_bench.py [--rows 1 12 64 256 2048] [--out benchmarks/results/cpu_linear.json]
-    .venv/bin/python benchmarks/cpu_linear_bench.py --stream [--rows 64 2048] [--layers 30]
+    .venv/bin/python benchmarks/cpu_linear_bench.py --stream [--rows 64 2048] [--layers 30] [--small-pages]
 
 --baseline-source FILE adds a backend "baseline": FILE (an earlier cpu_linear.cpp, e.g. from `git show
 REV:kernels/cpu_linear.cpp > /tmp/old.cpp`) built beside the current kernel and timed alternating with it
@@ -71,11 +76,21 @@ def time_shape(m: int, k: int, n: int, reps: int, baseline=None) -> dict[str, li
     return times
 
 
-def time_stream(m: int, layers: int, reps: int,
-                baseline=None) -> tuple[float, dict[str, list[float]], float | None]:
+def on_huge_pages(held: tuple[list[list], object]) -> tuple[list[list], object]:
+    """The packed kernel's (layers' weights, LM head) moved into one buffer on 2 MiB pages, in the engine's order
+    (models/llama.py: every layer's weights, then the head)."""
+    layer_ws, head = held
+    moved = cpu_gemm.on_huge_pages([w for ws in layer_ws for w in ws] + [head])
+    per = len(layer_ws[0]) if layer_ws else 0
+    return [moved[i * per:(i + 1) * per] for i in range(len(layer_ws))], moved[-1]
+
+
+def time_stream(m: int, layers: int, reps: int, baseline=None,
+                huge_pages: bool = True) -> tuple[float, dict[str, list[float]], float | None]:
     """One forward pass's projections at m rows (the LM head at up to HEAD_MAX_ROWS), every layer its own
     weights: (FLOPs of the pass, seconds per pass by backend, the baseline's largest difference from the
-    kernel on the first layer). The backends alternate pass by pass."""
+    kernel on the first layer). The backends alternate pass by pass. huge_pages: the packed kernel's weights
+    (which the baseline shares) on 2 MiB pages, as the engine holds them."""
     g = torch.Generator().manual_seed(m)
     per_layer = [(name, k, n) for name, (k, n) in SHAPES.items() if name != "lm_head"]
     weights = [[torch.randn(n, k, generator=g) for _, k, n in per_layer] for _ in range(layers)]
@@ -85,6 +100,10 @@ def time_stream(m: int, layers: int, reps: int,
     xh = torch.randn(min(m, HEAD_MAX_ROWS), head_k, generator=g)
     flops = 2.0 * m * layers * sum(k * n for _, k, n in per_layer) + 2.0 * xh.shape[0] * head_k * head_n
     held, calls = hold(lambda pack: ([[pack(w) for w in layer] for layer in weights], pack(head)), baseline)
+    if huge_pages:
+        held["packed"] = on_huge_pages(held["packed"])
+        if baseline is not None:
+            held["baseline"] = held["packed"]
     torch.testing.assert_close(calls["packed"](xh, held["packed"][1]), calls["mm"](xh, held["mm"][1]),
                                rtol=1e-4, atol=1e-3 * head_k**0.5)
     diff = None
@@ -108,9 +127,10 @@ def stream(args) -> None:
     rows = []
     for m in args.rows:
         ceiling = matmul_gflops(2048, 3)
-        flops, times, diff = time_stream(m, args.layers, reps=5, baseline=args.baseline)
+        flops, times, diff = time_stream(m, args.layers, reps=5, baseline=args.baseline,
+                                         huge_pages=not args.small_pages)
         row = {"rows": m, "layers": args.layers, "gflop": flops / 1e9, "ceiling_gflops": ceiling,
-               "baseline_max_abs_diff": diff}
+               "baseline_max_abs_diff": diff, "packed_on_huge_pages": not args.small_pages}
         for b, ts in times.items():
             row[f"{b}_ms_median"] = statistics.median(ts) * 1e3
             row[f"{b}_gflops_median"] = flops / statistics.median(ts) / 1e9
@@ -139,6 +159,8 @@ def main() -> None:
                     "results/cpu_linear_stream.json)")
     ap.add_argument("--stream", action="store_true", help="whole passes, every layer its own weights")
     ap.add_argument("--layers", type=int, default=LAYERS, help="--stream: layers of the pass")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="--stream: the packed weights each in an allocation of its own, not on 2 MiB pages")
     ap.add_argument("--baseline-source", default=None, help="another cpu_linear.cpp, timed as backend 'baseline'")
     args = ap.parse_args()
     if not (cpu_linear.available() and cpu_gemm.onednn_available()):
