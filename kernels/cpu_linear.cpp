@@ -104,7 +104,7 @@ inline void fma_k(vec (&a0)[R], vec (&a1)[R], const float* __restrict x, int64_t
   }
 }
 
-template <int R, int H>
+template <int R, int H, bool NEAR>
 void block(const float* __restrict x, int64_t xs, const float* __restrict w, int64_t K, float* __restrict y,
            int64_t ys, int ncols, const float* __restrict bias, const float* next, int pf_phase, int pf_stride,
            const Epilogue& lora) {
@@ -128,6 +128,13 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
       __builtin_prefetch(reinterpret_cast<const void*>(pf + 192), 0, H);
     }
     pf += step;
+    if constexpr (NEAR) {  // this panel's rows k + 16 and k + 17 into L1 (near_prefetch); an integer, as pf
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(w + k * NR) + 16 * NR * 4;
+      __builtin_prefetch(reinterpret_cast<const void*>(ahead), 0, 3);
+      __builtin_prefetch(reinterpret_cast<const void*>(ahead + 64), 0, 3);
+      __builtin_prefetch(reinterpret_cast<const void*>(ahead + NR * 4), 0, 3);
+      __builtin_prefetch(reinterpret_cast<const void*>(ahead + NR * 4 + 64), 0, 3);
+    }
     fma_k<R>(a0, a1, x, xs, k, w + k * NR);
     fma_k<R>(a0, a1, x, xs, k + 1, w + k * NR + NR);
   }
@@ -155,13 +162,16 @@ void block(const float* __restrict x, int64_t xs, const float* __restrict w, int
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int, const float*,
                          const float*, int, int, const Epilogue&);
 
-template <int H, int... Rs>
+template <int H, bool NEAR, int... Rs>
 constexpr std::array<BlockFn, sizeof...(Rs)> block_table(std::integer_sequence<int, Rs...>) {
-  return {&block<Rs + 1, H>...};
+  return {&block<Rs + 1, H, NEAR>...};
 }
-// BLOCKS[h][r - 1]: r rows, the next panel prefetched with hint 2 (h = 0) or 3 (h = 1).
-constexpr std::array<std::array<BlockFn, MR>, 2> BLOCKS = {block_table<2>(std::make_integer_sequence<int, MR>{}),
-                                                           block_table<3>(std::make_integer_sequence<int, MR>{})};
+// BLOCKS[h][r - 1]: r rows, the next panel prefetched with hint 2 (h = 0) or 3 (h = 1); h = 2: hint 2 and this
+// panel's rows 16 k ahead into L1 as well (near_prefetch).
+constexpr std::array<std::array<BlockFn, MR>, 3> BLOCKS = {
+    block_table<2, false>(std::make_integer_sequence<int, MR>{}),
+    block_table<3, false>(std::make_integer_sequence<int, MR>{}),
+    block_table<2, true>(std::make_integer_sequence<int, MR>{})};
 
 // Whether a call of M rows prefetches the next panel into L1 (prefetcht0) rather than L2 (prefetcht1). On
 // an AMD EPYC Zen 4 (AVX-512), all layers' projections and the LM head at M rows, weights streaming from
@@ -187,6 +197,27 @@ bool l1_prefetch(int64_t M) {
   return amd && (M >= 2 * MR || (zen5 && M > MR));
 #else
   return false;  // measured only on AVX-512 CPUs
+#endif
+}
+
+// Whether a call of M rows also prefetches its own panel's rows 16 k ahead into L1 (block's NEAR), beside the next
+// panel into L2: on Intel CPUs at decode sizes. On an Intel Xeon (family 6 model 167; all layers' projections and
+// the LM head at M rows, the weights streaming from memory on 2 MiB pages as the engine holds them, both builds'
+// linear called directly and alternating in one process, paired medians of 24 rounds; RESULTS.md, thirty-eighth
+// session) 4 / 8 / 16 / 24 rows 20.84 -> 20.23, 23.14 -> 21.57, 27.53 -> 26.26, 30.43 -> 29.76 ms (-0.64, -1.62,
+// -1.26, -0.54 paired; faster in 22, 22, 21 and 19 of 24); 1, 12, 32, 48 and 64 rows within 0.34 ms either way; at
+// 2048 rows 32.7 ms slower of 1499 (in 21 of 24), where each panel serves many blocks from L2 and the prefetches
+// only take issue slots. Why it helps is not measured (the VM gives no counters): streaming, a pass there took
+// about its FMAs' time plus its read's rather than the larger of the two, so the loads still wait on lines the
+// next-panel prefetches have not brought close. Not measured on AMD CPUs (l1_prefetch's hint serves them) nor on
+// AVX2 builds.
+bool near_prefetch(int64_t M) {
+#if defined(__AVX512F__)
+  static const bool amd = __builtin_cpu_is("amd");
+  return !amd && M <= 32;
+#else
+  (void)M;
+  return false;
 #endif
 }
 
@@ -286,7 +317,7 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
   const LoraPlan::Piece whole{0, M, -1};
   const LoraPlan::Piece* pieces = plan != nullptr ? plan->pieces.data() : &whole;
   const LoraPlan::Piece* pieces_end = pieces + (plan != nullptr ? plan->pieces.size() : 1);
-  const auto& blocks = BLOCKS[l1_prefetch(M) ? 1 : 0];
+  const auto& blocks = BLOCKS[l1_prefetch(M) ? 1 : near_prefetch(M) ? 2 : 0];
   // Rows [m0, m1) against panels [p0, p1). bt: LoraPlan::at's copy of B^T's columns.
   const auto panels_over = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* bt) {
     for (int64_t p = p0; p < p1; ++p) {
