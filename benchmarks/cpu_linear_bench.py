@@ -17,7 +17,7 @@ misstate what a decode step spends.
 Writes JSON (--out) and prints a table of GFLOP/s (best of the repeats, and the median).
 Usage:
     .venv/bin/python benchmarks/cpu_linear_bench.py [--rows 1 12 64 256 2048] [--out benchmarks/results/cpu_linear.json]
-    .venv/bin/python benchmarks/cpu_linear_bench.py --stream [--rows 64 2048] [--layers 30] [--small-pages]
+    .venv/bin/python benchmarks/cpu_linear_bench.py --stream [--rows 64 2048] [--layers 30] [--reps 5] [--small-pages]
 
 --baseline-source FILE adds a backend "baseline": FILE (an earlier cpu_linear.cpp, e.g. from `git show
 REV:kernels/cpu_linear.cpp > /tmp/old.cpp`) built beside the current kernel and timed alternating with it
@@ -38,6 +38,7 @@ import torch
 from loraplex.kernels import cpu_build, cpu_linear
 from loraplex.models import cpu_gemm
 
+from rounds import round_order
 from roofline import matmul_gflops
 
 # SmolLM2-135M: hidden 576, 9 heads + 3 kv heads of 64, MLP 1536, vocab 49152 (in, out).
@@ -58,7 +59,9 @@ def hold(pack_one, baseline=None) -> tuple[dict, dict]:
     if baseline is None:
         return held, CALLS
     held["baseline"] = held["packed"]
-    return held, {**CALLS, "baseline": lambda x, w: baseline.linear(x, w.panels, None, w.out_features)}
+    # Through a Python call shaped like cpu_linear.linear's, so that the two differ by their builds alone.
+    return held, {**CALLS, "baseline": lambda x, w: baseline.linear(x if x.stride(-1) == 1 else x.contiguous(),
+                                                                     w.panels, None, w.out_features)}
 
 
 def time_shape(m: int, k: int, n: int, reps: int, baseline=None) -> dict[str, list[float]]:
@@ -111,8 +114,8 @@ def time_stream(m: int, layers: int, reps: int, baseline=None,
         diff = max(float((calls["baseline"](x, w) - calls["packed"](x, w)).abs().max())
                    for x, w in zip(xs, held["packed"][0][0]))
     times: dict[str, list[float]] = {b: [] for b in calls}
-    for _ in range(reps + 1):  # the first round warms up (page faults, oneDNN's primitive cache)
-        for b, call in calls.items():
+    for rep in range(reps + 1):  # the first round warms up (page faults, oneDNN's primitive cache)
+        for b, call in round_order(calls, rep):  # reversed every other round: no backend always follows another
             layer_ws, head_w = held[b]
             t = time.perf_counter()
             for ws in layer_ws:
@@ -127,10 +130,14 @@ def stream(args) -> None:
     rows = []
     for m in args.rows:
         ceiling = matmul_gflops(2048, 3)
-        flops, times, diff = time_stream(m, args.layers, reps=5, baseline=args.baseline,
+        flops, times, diff = time_stream(m, args.layers, reps=args.reps, baseline=args.baseline,
                                          huge_pages=not args.small_pages)
         row = {"rows": m, "layers": args.layers, "gflop": flops / 1e9, "ceiling_gflops": ceiling,
                "baseline_max_abs_diff": diff, "packed_on_huge_pages": not args.small_pages}
+        if args.baseline is not None:  # the passes of one round ran side by side: their differences compare
+            pairs = [b - p for b, p in zip(times["baseline"], times["packed"])]
+            row["baseline_minus_packed_ms_paired_median"] = statistics.median(pairs) * 1e3
+            row["packed_faster_rounds"] = sum(d > 0 for d in pairs)
         for b, ts in times.items():
             row[f"{b}_ms_median"] = statistics.median(ts) * 1e3
             row[f"{b}_gflops_median"] = flops / statistics.median(ts) / 1e9
@@ -149,6 +156,9 @@ def stream(args) -> None:
     if args.baseline is not None:
         print("baseline against the kernel, largest difference: "
               + ", ".join(f"{r['rows']} rows {r['baseline_max_abs_diff']:.3g}" for r in rows))
+        print("baseline - kernel, paired median ms (rounds the kernel was faster): " + ", ".join(
+            f"{r['rows']} rows {r['baseline_minus_packed_ms_paired_median']:+.2f} ({r['packed_faster_rounds']}/"
+            f"{args.reps})" for r in rows))
     print(f"wrote {out}")
 
 
@@ -159,6 +169,7 @@ def main() -> None:
                     "results/cpu_linear_stream.json)")
     ap.add_argument("--stream", action="store_true", help="whole passes, every layer its own weights")
     ap.add_argument("--layers", type=int, default=LAYERS, help="--stream: layers of the pass")
+    ap.add_argument("--reps", type=int, default=5, help="--stream: timed passes of each backend (after one warm-up)")
     ap.add_argument("--small-pages", action="store_true",
                     help="--stream: the packed weights each in an allocation of its own, not on 2 MiB pages")
     ap.add_argument("--baseline-source", default=None, help="another cpu_linear.cpp, timed as backend 'baseline'")

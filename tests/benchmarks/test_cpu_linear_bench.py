@@ -3,6 +3,7 @@ the same products as where they were packed, and a pass timed for every backend 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -44,3 +45,18 @@ def test_a_stream_pass_is_timed_for_every_backend_on_either_pages():
         flops, times, diff = cpu_linear_bench.time_stream(3, 1, reps=1, huge_pages=huge)
         assert flops > 0 and diff is None
         assert set(times) == {"packed", "onednn", "mm"} and all(len(ts) == 1 and ts[0] > 0 for ts in times.values())
+
+
+def test_a_baseline_build_is_paired_with_the_kernel_round_by_round(tmp_path, monkeypatch):
+    require_built("cpu_linear", cpu_linear.available(), "packed GEMM")
+    if not cpu_gemm.onednn_available():
+        pytest.skip("this torch has no oneDNN: the stream pass times it beside the kernel")
+    out = tmp_path / "stream.json"
+    # The kernel's own source built again as the baseline: the same sums bit for bit, and every round paired.
+    src = Path(cpu_linear.__file__).with_name("cpu_linear.cpp")
+    monkeypatch.setattr(sys, "argv", ["cpu_linear_bench.py", "--stream", "--rows", "2", "--layers", "1", "--reps",
+                                      "3", "--baseline-source", str(src), "--out", str(out)])
+    cpu_linear_bench.main()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["baseline_max_abs_diff"] == 0.0 and row["packed_on_huge_pages"] is True
+    assert 0 <= row["packed_faster_rounds"] <= 3 and isinstance(row["baseline_minus_packed_ms_paired_median"], float)
