@@ -8,6 +8,7 @@ oneDNN or mm (models/cpu_gemm.choose).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -50,7 +51,10 @@ def linear(
     x: torch.Tensor,  # [T, in] float32, any row stride
     w: PackedWeight,
     b: torch.Tensor | None,  # [out]
+    ext: ModuleType | None = None,
 ) -> torch.Tensor:  # [T, out], contiguous
-    ext = load_extension(STEM)
+    """x @ W^T + b. ext: the cpu_linear build to run (default: this checkout's; benchmarks pass an earlier one's,
+    which must pack panels of the same width)."""
+    ext = ext or load_extension(STEM)
     x = x if x.stride(-1) == 1 else x.contiguous()
     return ext.linear(x, w.panels, b, w.out_features)
