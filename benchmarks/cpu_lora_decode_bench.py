@@ -1,7 +1,8 @@
 """Decode LoRA on the CPU: one decode step's adapter work on the default model's 30 layers, against the read floor.
 
 A decode batch of `--batch` tokens over `--adapters` adapters (ranks from `--ranks`, in turn; tokens dealt to
-the adapters in turn, so each segment holds batch / adapters tokens or one more), every adapter on all 7
+the adapters in turn, so each segment holds batch / adapters tokens or one more; or `--lengths`, each adapter's
+tokens as a step of the engine's held them), every adapter on all 7
 modules of all 30 layers, placed on the unified pool's pages. One step is what the engine's decode step calls
 for LoRA: per layer, cpu_sgmv.apply_lora_group on the qkv, o, gate/up and down projections' outputs. The
 step's floor is the adapter bytes it reads (every A^T and B^T once) over the read bandwidth measured in the
@@ -20,7 +21,8 @@ process (this CPU's speed drifts over minutes), and the table gives each one's 2
 Writes JSON (--out).
 
 Usage:
-    .venv/bin/python benchmarks/cpu_lora_decode_bench.py [--batch 64] [--adapters 30] [--ranks 8 16] [--reps 30]
+    .venv/bin/python benchmarks/cpu_lora_decode_bench.py [--batch 64] [--adapters 30 | --lengths 1 1 2 7 ...]
+                                                       [--ranks 8 16] [--reps 30]
                                                        [--threads N] [--with-gemm] [--baseline-source OLD.cpp ...]
 """
 
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=30)
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16], help="adapter i has ranks[i %% len(ranks)]")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help="tokens of each adapter's segment (a step as the engine met it; e.g. the scaling runs' "
+                         "uneven popularity), instead of --batch dealt to --adapters")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -71,7 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.with_gemm and not cpu_linear.available():
         raise SystemExit("--with-gemm needs the packed GEMM (kernels.cpu_build.build_error('cpu_linear'))")
     gen = torch.Generator().manual_seed(int(time.time()))
-    lengths = [n for n in segment_lengths(args.batch, args.adapters) if n]
+    if args.lengths is not None:
+        if min(args.lengths) < 1:
+            ap.error("--lengths: every segment holds a token or more")
+        args.batch, args.adapters = sum(args.lengths), len(args.lengths)
+    lengths = args.lengths or [n for n in segment_lengths(args.batch, args.adapters) if n]
     adapters = [random_adapter(f"a{i}", args.ranks[i % len(args.ranks)], gen, args.layers) for i in range(len(lengths))]
     pool, segments = place_segments(adapters, lengths, args.layers)  # each on a run of pages, as a fresh pool places it
     rows = pool.tensor.view(-1, D)

@@ -35,6 +35,18 @@ def test_bench_times_the_step_against_the_read_and_writes_json(tmp_path):
     assert abs(result["floor_ms"] - result["adapter_mb"] * 1e6 / (result["read_gbps"] * 1e9) * 1e3) < 1e-9
 
 
+def test_lengths_give_each_adapter_its_tokens(tmp_path):
+    """--lengths: a step as the engine met it (the scaling runs' uneven popularity), the batch their sum."""
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    result = cpu_lora_decode_bench.main(["--lengths", "1", "3", "1", "5", "--ranks", "8", "16", "--layers", "1",
+                                         "--reps", "1", "--out", str(tmp_path / "decode.json")])
+    assert result["segment_lengths"] == [1, 3, 1, 5] and result["batch"] == 10 and result["adapters"] == 4
+    per_rank = sum(i + o for i, o in cpu_lora_decode_bench.SHAPES.values()) * 4
+    assert result["adapter_mb"] * 1e6 == (8 + 16 + 8 + 16) * per_rank
+    with pytest.raises(SystemExit):
+        cpu_lora_decode_bench.main(["--lengths", "2", "0", "--out", str(tmp_path / "bad.json")])
+
+
 def test_baseline_sources_with_one_file_name_are_refused_before_any_build(tmp_path):
     from loraplex.kernels.cpu_build import baseline_builds
 
