@@ -233,28 +233,40 @@ def run_one(engine: EngineCore, requests: Sequence[BenchRequest], folders: dict[
     return run, point
 
 
-def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence[int], num_requests: int,
-                adapter_root: Path, ceilings: Ceilings, host_cache_bytes: int, seed: int = 0,
-                log=print, repeats: int = 1, prefetch_loads: bool = False) -> list[ScalingPoint]:
-    """The first `num_requests` requests of `spec`'s trace regenerated with each adapter count, the sweep
-    run `repeats` times in alternating order (see the module's docstring for prefetch_loads)."""
+def scaling_workloads(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence[int], num_requests: int,
+                      adapter_root: Path, seed: int = 0) -> dict[int, tuple[list[BenchRequest], dict[str, Path]]]:
+    """N -> (the first `num_requests` requests of `spec`'s trace regenerated with N adapters, all at once; the folders
+    of the adapters they name, written under adapter_root where missing): the same in every repeat."""
     from loraplex.models.config import load_model_config
     from loraplex.models.default_model import resolve_model_path
 
     model_cfg = load_model_config(resolve_model_path(engine_config.model, engine_config.cache_dir))
-    workloads = {}  # N -> (its requests, their adapters' folders), the same in every repeat
+    workloads = {}
     for n in counts:
         trace = T.generate(dataclasses.replace(spec, num_adapters=n))[:num_requests]
         reqs = all_at_once(requests_from_trace(trace, model_cfg.vocab_size, seed,
                                                max_len=model_cfg.max_model_len))
         workloads[n] = (reqs, ensure_adapters(adapter_root, model_cfg, used_adapters(reqs), seed))
+    return workloads
+
+
+def mirrored(counts: Sequence[int], repeats: int) -> list[int]:
+    """The sweep's order: counts, then reversed, and so on, `repeats` times (the module's docstring says why)."""
+    return [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
+
+
+def run_scaling(engine_config: EngineConfig, spec: T.TraceSpec, counts: Sequence[int], num_requests: int,
+                adapter_root: Path, ceilings: Ceilings, host_cache_bytes: int, seed: int = 0,
+                log=print, repeats: int = 1, prefetch_loads: bool = False) -> list[ScalingPoint]:
+    """The first `num_requests` requests of `spec`'s trace regenerated with each adapter count, the sweep
+    run `repeats` times in alternating order (see the module's docstring for prefetch_loads)."""
+    workloads = scaling_workloads(engine_config, spec, counts, num_requests, adapter_root, seed)
     gc.collect()  # the earlier parts' engines, held by reference cycles: freed before this one's pool
     engine = EngineCore(engine_config)
     plans = pack_plans(engine)
     learn_plans(plans, engine, {name: path for _, folders in workloads.values() for name, path in folders.items()})
     runs: dict[int, list[ScalingPoint]] = {n: [] for n in counts}
-    order = [n for r in range(repeats) for n in (counts if r % 2 == 0 else list(reversed(counts)))]
-    for n in order:
+    for n in mirrored(counts, repeats):
         reqs, folders = workloads[n]
         log(f"  {n} adapters ({len(folders)} used by {len(reqs)} requests)...")
         _, point = run_one(engine, reqs, folders, host_cache_bytes, prefetch_loads, plans)
