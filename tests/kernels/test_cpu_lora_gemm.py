@@ -85,6 +85,8 @@ def _projection(case: dict) -> Projection:
     b = torch.randn(bounds[-1], generator=gen) if case["bias"] else None
     layer = rng.randrange(2)
     parts = cpu_lora_gemm.split(lora, d)
+    if case.get("all_in_epilogue"):  # every segment to the epilogue, short ones too (the split sends only long ones)
+        parts = cpu_lora_gemm.FusedSplit(lora, None)
     fused_rows = torch.zeros(T, dtype=torch.bool)
     for seg in parts.fused.segments if parts.fused else ():
         fused_rows[seg.start : seg.start + seg.length] = True
@@ -169,3 +171,25 @@ def test_linear_lora_refuses_module_columns_off_the_panel_grid():
     with pytest.raises(RuntimeError, match="multiples of the panel width"):
         cpu_lora_gemm.linear_lora(torch.randn(20, d), packed, None, pool.rows(), lora, 0,
                                   cpu_lora_gemm.ModuleColumns((0, 1), (0, d + 8, 2 * d)))
+
+
+@pytest.mark.parametrize("lens", [[3, 2, 1, 4, 2, 5, 1, 3, 40], [1] * 13 + [30, 2, 2]], ids=["mixed", "ones"])
+def test_segments_shorter_than_a_block_each_get_their_own_delta(lens):
+    """A block of rows may cross a segment's end: each adapter's delta then reaches only its own rows. Segments of a
+    few rows, adjacent, some without an adapter, put three or more adapters' rows in one block (the kernel then cuts
+    the block at their ends) as well as two (one epilogue each, over zeroed rows of the other's)."""
+    d = cpu_linear.panel_width()
+    case = dict(d=d, widths=[2, 1], in_features=3 * d, rows_per_page=4, ranks=[[8, 16], [16, 8], [24, 24]],
+                lens=lens, assignment=[i % 4 for i in range(len(lens))], bias=True, all_in_epilogue=True,
+                seed=random.randrange(2**31))
+    p = _projection(case)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y = _run(p)
+            assert rel_err(y[p.fused_rows], p.ref[p.fused_rows]) < 1e-5
+            plain = cpu_linear.linear(p.x, p.packed, p.b)
+            assert torch.equal(y[~p.fused_rows], plain[~p.fused_rows])
+    finally:
+        torch.set_num_threads(threads)
