@@ -175,9 +175,9 @@ def test_linear_lora_refuses_module_columns_off_the_panel_grid():
 
 @pytest.mark.parametrize("lens", [[3, 2, 1, 4, 2, 5, 1, 3, 40], [1] * 13 + [30, 2, 2]], ids=["mixed", "ones"])
 def test_segments_shorter_than_a_block_each_get_their_own_delta(lens):
-    """A block of rows may cross a segment's end: each adapter's delta then reaches only its own rows. Segments of a
-    few rows, adjacent, some without an adapter, put three or more adapters' rows in one block (the kernel then cuts
-    the block at their ends) as well as two (one epilogue each, over zeroed rows of the other's)."""
+    """Segments of a few rows, adjacent, some without an adapter, sent straight to the epilogue (the split sends only
+    segments longer than cpu_sgmv.LONG_SEGMENT): each adapter's delta reaches its own rows and no others, where several
+    segments' rows fall within one block's worth of rows."""
     d = cpu_linear.panel_width()
     case = dict(d=d, widths=[2, 1], in_features=3 * d, rows_per_page=4, ranks=[[8, 16], [16, 8], [24, 24]],
                 lens=lens, assignment=[i % 4 for i in range(len(lens))], bias=True, all_in_epilogue=True,
