@@ -20,7 +20,7 @@ def available() -> bool:
 def argmax_rows(
     x: torch.Tensor,  # [N, V]
 ) -> torch.Tensor:  # [N] int64
-    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[1] == 0 or x.stride(1) != 1:
+    if x.dim() != 2 or not x.is_cpu or x.dtype != torch.float32 or x.shape[1] == 0 or x.stride(1) != 1:
         return x.argmax(dim=-1)
     ext = load_extension(STEM)
     return ext.argmax_rows(x) if ext is not None else x.argmax(dim=-1)

@@ -64,7 +64,7 @@ def _build_tiles(meta: AttentionMetadata, tile: int) -> torch.Tensor:
 
 
 def _usable(q: torch.Tensor, kv_pool: torch.Tensor) -> ModuleType | None:
-    if q.device.type != "cpu" or q.dtype != torch.float32 or kv_pool.dtype != torch.float32:
+    if not q.is_cpu or q.dtype != torch.float32 or kv_pool.dtype != torch.float32:  # is_cpu: cpu_sgmv._kernel_takes
         return None
     if not kv_pool.is_contiguous():
         return None
