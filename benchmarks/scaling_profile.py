@@ -16,7 +16,6 @@ extra adapters cost, and where.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, str(_BENCH))
 
 import torch  # noqa: E402
 
-from e2e.run import PRESETS, MiB, engine_config, trace_spec  # noqa: E402
+from e2e.run import PRESETS, MiB, engine_config, scaling_engine_config, trace_spec  # noqa: E402
 from e2e.scaling import learn_plans, mirrored, pack_plans, run_one, scaling_workloads  # noqa: E402
 from loraplex.engine import EngineCore  # noqa: E402
 from offline_profile import CALLS, KINDS, Timers, timed_engine  # noqa: E402
@@ -57,9 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     counts = list(args.counts or p.scaling_counts)
     if args.rounds < 1 or len(counts) < 2 or min(counts) < 1 or len(set(counts)) != len(counts):
         ap.error("--rounds must be at least 1, --counts two or more distinct counts of at least 1")
-    # The scaling engines' pool, as e2e/run.py's scaling part sizes it: small enough that the adapters outgrow it.
-    econf = dataclasses.replace(engine_config(p, args.model, torch.device("cpu"), "float32"),
-                                pool_bytes=int(p.scaling_pool_mib * MiB))
+    econf = scaling_engine_config(p, engine_config(p, args.model, torch.device("cpu"), "float32"))
     workloads = scaling_workloads(econf, trace_spec(p, args.seed, 1, p.scaling_requests), counts,
                                   p.scaling_requests, args.work_dir / "adapters", args.seed)
     engine = EngineCore(econf)

@@ -114,6 +114,12 @@ def engine_config(p: Preset, model: str, device: torch.device, dtype_name: str) 
                         max_lora_rank=64, kernels="auto")
 
 
+def scaling_engine_config(p: Preset, main: EngineConfig) -> EngineConfig:
+    """The scaling engines' config: the main engine's, with the preset's scaling pool, small enough that the
+    adapters outgrow it (scaling_profile.py builds the same engines)."""
+    return dataclasses.replace(main, pool_bytes=int(p.scaling_pool_mib * MiB))
+
+
 def main_requests(p: Preset, seed: int, engine: EngineCore) -> tuple[list[T.TraceRequest], list[BenchRequest]]:
     """The main trace and its requests (offline and online serve the same ones), clipped to the engine's length."""
     trace = T.generate(trace_spec(p, seed, p.num_adapters, p.requests))[: p.requests]
@@ -378,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"scaling: {p.scaling_counts} adapters x {p.scaling_repeats}, {p.scaling_requests} requests, host cache "
             f"{p.host_cache_mib} MiB, pool {p.scaling_pool_mib} MiB, loads on the {loads}...")
         spec = trace_spec(p, args.seed, 1, p.scaling_requests)
-        points = run_scaling(dataclasses.replace(econf, pool_bytes=int(p.scaling_pool_mib * MiB)), spec,
+        points = run_scaling(scaling_engine_config(p, econf), spec,
                              p.scaling_counts, p.scaling_requests, work / "adapters", ceilings,
                              int(p.host_cache_mib * MiB), args.seed, log, p.scaling_repeats, prefetch_loads)
         result["scaling"] = {"host_cache_bytes": int(p.host_cache_mib * MiB),
