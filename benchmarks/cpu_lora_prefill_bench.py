@@ -10,6 +10,8 @@ every module), placed on the unified pool's pages, one layer's four projections 
 - shrink: the same shrink as a pass of its own over the batch (cpu_lora_gemm.shrink), as the engine ran it before
   the thirty-seventh session (with --shrink-baseline-source, other cpu_sgmv.cpp builds' shrinks beside it, as
   shrink:<name>).
+With --one-segment each fused path also runs as '<name>:one' on the same tokens as one segment of the first
+adapter: what the segments themselves cost (their adapters' rows, the rows cut into pieces) is then paired by round.
 With --layers L (the default model has 30), each layer has its own packed weights and its own rows of every
 adapter, and each path runs all L layers as a step does: weights and adapters then come from memory or L3, not
 from L2 as in one layer repeated. --lengths and --ranks give the segments of a real step (the e2e quick trace's
@@ -126,6 +128,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shrink-baseline-source", nargs="+", default=[],
                     help="other cpu_sgmv.cpp files: the shrink alone through each one's build, timed as path "
                          "'shrink:baseline' (one file) or 'shrink:<file name>' in the same rounds")
+    ap.add_argument("--one-segment", action="store_true",
+                    help="beside each fused path (fused and every --baseline-source build), '<name>:one': the same "
+                         "tokens as one segment of the first adapter, in the same rounds, so that what the "
+                         "segments cost (more adapters' rows, more pieces of rows) is a paired difference")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_lora_prefill.json"))
     args = ap.parse_args(argv)
     if not (cpu_linear.available() and cpu_sgmv.available()):
@@ -189,6 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
         calls[name] = fused_with(ext)
     for name, ext in baseline_builds(args.shrink_baseline_source, "baseline_cpu_sgmv").items():
         calls[f"shrink:{name}"] = shrink_with(ext)
+    if args.one_segment:  # the fused paths again, every token in one segment of the first adapter
+        one = LoraBatch((LoraSegment(0, T, segments[0].adapter),), T)
+        for name in [n for n in calls if n == "fused" or n not in ("base", "blas", "sgmv") and not _alone(n)]:
+            calls[f"{name}:one"] = (lambda f: lambda lora, layer: f(one, layer))(calls[name])
     ceiling = matmul_gflops(2048, 3)
     # times[name][round][layer]: seconds. A round runs every path over every layer: a step at a time, the paths in
     # round_order; or (--cold) a layer at a time, each path's call after a flush, the paths' order turning by one

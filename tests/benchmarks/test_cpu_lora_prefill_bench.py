@@ -74,3 +74,16 @@ def test_bench_times_each_layer_cold(tmp_path):
     assert result["cold_added_ms"]["shrink"] == result["cold_step_ms"]["shrink"]
     assert all(len(ts) == 3 for ts in result["all_ms"].values())  # a step's time per round: its layers' calls summed
     assert result["cold_step_ms"]["shrink"] < result["cold_step_ms"]["fused"]
+
+
+def test_bench_times_the_fused_paths_again_over_one_segment(tmp_path):
+    """--one-segment: each fused path (this checkout's and a --baseline-source build) again as '<name>:one', every
+    token in one segment of the first adapter, in the same rounds."""
+    require_built("cpu_linear", cpu_linear.available(), "linear kernel")
+    require_built("cpu_sgmv", cpu_sgmv.available(), "SGMV kernel")
+    src = Path(cpu_linear.__file__).with_suffix(".cpp")
+    result = cpu_lora_prefill_bench.main(["--lengths", "20", "13", "24", "--ranks", "8", "16", "--paths", "fused",
+                                          "--reps", "2", "--one-segment", "--baseline-source", str(src),
+                                          "--out", str(tmp_path / "o.json")])
+    assert set(result["ms_q1"]) == {"base", "fused", "fused:one", "baseline", "baseline:one"}
+    assert all(len(result["all_ms"][p]) == 2 and min(result["all_ms"][p]) > 0 for p in result["ms_q1"])
