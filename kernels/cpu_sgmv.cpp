@@ -466,6 +466,17 @@ template <int NT, int NW>
 inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict s)[MAX_RANK], const float* const* rows,
                        int rank, int64_t out, int64_t d, NextItem& next) {
   const int64_t per_k = out / d;
+  // Pool rows j = 0 and 1 of every row of B^T asked for up front, and in the loop row j + 2 (two ahead, not one):
+  // the rank rows are rank short streams, each of out / d pool rows, and one pool row ahead left each stream's
+  // first lines and much of its next ones to arrive while the loads waited. One B=64 decode step's LoRA (64
+  // tokens over 30 adapters of ranks 8/16; benchmarks/cpu_lora_decode_bench.py with the build before beside it,
+  // paired medians of 30 rounds, Intel Xeon family 6 model 167, RESULTS.md, fortieth session): -0.38 to -0.50 ms
+  // of 17.5-18.1 (faster in 22-28 of 30 rounds, four runs), one thread -0.52 of 34.0; 48 / 30 -0.13, 24 / 16
+  // -0.17, 8 / 8 -0.07; the scaling runs' step of 1-7 tokens an adapter -0.01. Three and four rows ahead measured
+  // the same as two; the rows up front alone -0.20, two ahead alone +0.23.
+  for (int k = 0; k < rank; ++k)
+    for (int64_t j = 0; j < std::min<int64_t>(2, per_k); ++j)
+      for (int w = 0; w < NW; ++w) __builtin_prefetch(rows[k * per_k + j] + w * VEC, 0, 2);
   for (int64_t j = 0; j < per_k; ++j)
     for (int64_t off = 0; off < d; off += NW * VEC) {
       next.ask(NW * VEC * rank);
@@ -479,8 +490,8 @@ inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict
         // LoRA calls (30 / 51 adapters of the e2e trace, Intel Xeon, builds alternating step by step)
         // 23.88 -> 23.03 and 23.31 -> 22.51 ms / 36.42 -> 35.22; a prefetch into L1 holds an L1 fill buffer
         // for a whole memory latency (cpu_attention.cpp measured the same, by more).
-        if (j + 1 < per_k) {  // the same columns of the next pool row of B^T's row k: the next j's
-          const float* nb = rows[k * per_k + j + 1] + off;
+        if (j + 2 < per_k) {  // the same columns of B^T's row k two pool rows on: j + 2's
+          const float* nb = rows[k * per_k + j + 2] + off;
 #pragma GCC unroll 64
           for (int w = 0; w < NW; ++w) __builtin_prefetch(nb + w * VEC, 0, 2);
         }
