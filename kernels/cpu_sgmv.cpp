@@ -413,6 +413,17 @@ inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, i
     for (int t = 0; t < NT; ++t)
       for (int v = 0; v < NV; ++v) acc[q][t][v] = T{};
   alignas(64) float cross[R];  // a row of A^T that crosses a page boundary
+  if (!next_item_asks()) {
+    // A^T's first FEW_AHEAD floats, which the loop's prefetches (FEW_AHEAD on) never ask for, asked for at once
+    // where the item before did not (NextItem, on AMD CPUs). One B=64 decode step's LoRA, 64 tokens over 30
+    // adapters (cpu_lora_decode_bench.py, the build before beside it, paired medians of 30 rounds, Intel Xeon
+    // family 6 model 167, RESULTS.md, fortieth session): -0.24 and -0.25 ms of 16.8-17.0 (faster in 24 and 20 of
+    // 30 rounds), one thread -0.51 of 34.0 (27 of 30); 24 / 16 -0.09; the scaling runs' step -0.03.
+    int64_t run0;
+    const float* p0 = pg.at(a_elem, &run0);
+    const int64_t lead = std::min(std::min(run0, in * R), FEW_AHEAD);
+    for (int64_t o = 0; o < lead; o += 16) __builtin_prefetch(p0 + o, 0, 2);
+  }
   int64_t i = 0;
   while (i < in) {
     int64_t run;
