@@ -254,6 +254,50 @@ struct LoraPlan {
     return lora_shrink::ShrinkJob{tb, layer, modules, s_cols, x, xs, K, s, ss};
   }
 
+  // Segment seg's B^T columns of every panel, panel by panel ([panel][the panel's module's rank][NR] in data,
+  // panel p from offset at[p]), copied in one pass over B^T's rows, each row front to back: where the threads split
+  // the rows (run()) each piece of a chunk needs every panel's columns, and at() copied them a panel at a time,
+  // rank short reads from rows `out` floats apart, each waiting on memory. The same bytes, so the same sums bit
+  // for bit. The e2e quick trace's first prefill chunk (12 segments, 2018 tokens) over 30 layers, each layer cold
+  // (benchmarks/cpu_lora_prefill_bench.py --cold --baseline-source, the build before beside it, Intel Xeon family 6
+  // model 167, RESULTS.md, fortieth session): what the LoRA adds, 88.4 -> 84.4 and 84.5 -> 77.6 ms; one layer's
+  // worth of 6 layers warm, paired medians of 30 rounds: 23 x 88 tokens -1.6 ms of 22.7, 64 x 32 tokens -3.7 of
+  // 39.1 (faster in 23 of 30).
+  struct PanelCopy {
+    std::vector<float> data;
+    std::vector<int64_t> at;
+  };
+  void copy_panels(int64_t seg, int64_t num_panels, PanelCopy& out) const {
+    out.at.assign(num_panels, 0);
+    int64_t total = 0;
+    for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+      const int rank = tb.entry(seg, layer, modules[i])[0];
+      for (int64_t p = bounds[i] / NR; p < bounds[i + 1] / NR && p < num_panels; ++p) out.at[p] = total, total += rank * NR;
+    }
+    out.data.resize(total);
+    const Pages pg = tb.pages_of(seg);
+    for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+      const int32_t* l = tb.entry(seg, layer, modules[i]);
+      const int rank = l[0];
+      const int64_t out_i = bounds[i + 1] - bounds[i], p0 = bounds[i] / NR;
+      for (int k = 0; k < rank; ++k) {  // B^T's row k, front to back: NR columns never cross a page (D % NR == 0)
+        const int64_t e = static_cast<int64_t>(l[2]) * tb.d + k * out_i;
+        int64_t run;
+        const float* src = pg.at(e, &run);
+        for (int64_t q = 0; q < out_i / NR; ++q, src += NR, run -= NR) {
+          if (run < NR) src = pg.at(e + q * NR, &run);
+          std::memcpy(out.data.data() + out.at[p0 + q] + k * NR, src, NR * sizeof(float));
+        }
+      }
+    }
+  }
+  // The epilogue of segment seg's rows (from row r) at panel p, from its copy_panels.
+  Epilogue from_copy(int64_t seg, int64_t r, int64_t p, const PanelCopy& copy) const {
+    size_t i = 0;
+    while (p * NR >= bounds[i + 1]) ++i;
+    return Epilogue{s + r * ss + s_cols[i], ss, copy.data.data() + copy.at[p], tb.entry(seg, layer, modules[i])[0]};
+  }
+
   // The epilogue of segment seg's rows (from row r) at panel columns [c, c + NR), its B^T columns copied into
   // bt [rank, NR]. Why a copy: the piece's blocks each read all of them after their K loop has streamed the
   // panel (K x NR floats, more than L1) through L1, and in the pool B^T's rows lie `out` floats apart: at
@@ -319,14 +363,18 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
   const LoraPlan::Piece* pieces_end = pieces + (plan != nullptr ? plan->pieces.size() : 1);
   const auto& blocks = BLOCKS[l1_prefetch(M) ? 1 : near_prefetch(M) ? 2 : 0];
   // Rows [m0, m1) against panels [p0, p1). bt: LoraPlan::at's copy of B^T's columns.
-  const auto panels_over = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* bt) {
+  // copies: null, or per piece (its index in pieces) its copy_panels for these rows.
+  const auto panels_over = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* bt,
+                               const LoraPlan::PanelCopy* const* copies = nullptr) {
     for (int64_t p = p0; p < p1; ++p) {
       const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
       const float* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
       for (const LoraPlan::Piece* pc = pieces; pc != pieces_end; ++pc) {  // the rows cut where the adapter changes
         const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
         if (a >= b) continue;
-        const Epilogue e = pc->seg >= 0 ? plan->at(pc->seg, a, p * NR, bt) : Epilogue{nullptr, 0, nullptr, 0};
+        const Epilogue e = pc->seg < 0       ? Epilogue{nullptr, 0, nullptr, 0}
+                           : copies != nullptr ? plan->from_copy(pc->seg, a, p, *copies[pc - pieces])
+                                               : plan->at(pc->seg, a, p * NR, bt);
         rows_by_panel(xp, xs, a, b - a, wp + p * K * NR, K, yp + p * NR, n, ncols,
                       bp == nullptr ? nullptr : bp + p * NR, next, e, blocks);
         next = nullptr;
@@ -349,15 +397,23 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
     const int64_t nc = threads * ((M + threads * chunk - 1) / (threads * chunk));
     const lora_shrink::ShrinkJob job = plan->shrink_job(xp, xs, K);
     at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
-      alignas(64) float bt[LoraPlan::MAX_RANK * NR];
       lora_shrink::ShrinkTables tables;
+      std::vector<LoraPlan::PanelCopy> copies;  // the chunk's pieces', their buffers kept from chunk to chunk
+      std::vector<const LoraPlan::PanelCopy*> by_piece(pieces_end - pieces, nullptr);
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t m0 = M * c / nc, m1 = M * (c + 1) / nc;
-        for (const LoraPlan::Piece* pc = pieces; pc != pieces_end; ++pc) {
+        std::vector<const LoraPlan::Piece*> here;  // the chunk's pieces with an adapter
+        for (const LoraPlan::Piece* pc = pieces; pc != pieces_end; ++pc)
+          if (std::max(pc->r0, m0) < std::min(pc->r1, m1) && pc->seg >= 0) here.push_back(pc);
+        if (copies.size() < here.size()) copies.resize(here.size());  // before any pointer into it is taken
+        for (size_t j = 0; j < here.size(); ++j) {
+          const LoraPlan::Piece* pc = here[j];
           const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
-          if (a < b && pc->seg >= 0) lora_shrink::shrink_span(job, pc->seg, a, b - a, tables);
+          lora_shrink::shrink_span(job, pc->seg, a, b - a, tables);
+          plan->copy_panels(pc->seg, P, copies[j]);
+          by_piece[pc - pieces] = &copies[j];
         }
-        panels_over(m0, m1, 0, P, bt);
+        panels_over(m0, m1, 0, P, nullptr, by_piece.data());
       }
     });
     return y;
