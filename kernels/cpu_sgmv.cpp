@@ -481,8 +481,8 @@ inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict
   // the rank rows are rank short streams, each of out / d pool rows, and one pool row ahead left each stream's
   // first lines and much of its next ones to arrive while the loads waited. One B=64 decode step's LoRA (64
   // tokens over 30 adapters of ranks 8/16; benchmarks/cpu_lora_decode_bench.py with the build before beside it,
-  // paired medians of 30 rounds, Intel Xeon family 6 model 167, RESULTS.md, fortieth session): -0.38 to -0.50 ms
-  // of 17.5-18.1 (faster in 22-28 of 30 rounds, four runs), one thread -0.52 of 34.0; 48 / 30 -0.13, 24 / 16
+  // paired medians of 30 rounds, Intel Xeon family 6 model 167, RESULTS.md, fortieth session): -0.20 to -0.50 ms
+  // of 17.5-18.8 (faster in 22-28 of 30 rounds, four runs), one thread -0.52 of 34.0; 48 / 30 -0.13, 24 / 16
   // -0.17, 8 / 8 -0.07; the scaling runs' step of 1-7 tokens an adapter -0.01. Three and four rows ahead measured
   // the same as two; the rows up front alone -0.20, two ahead alone +0.23.
   for (int k = 0; k < rank; ++k)
