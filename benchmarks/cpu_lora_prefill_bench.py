@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         calls[f"shrink:{name}"] = shrink_with(ext)
     if args.one_segment:  # the fused paths again, every token in one segment of the first adapter
         one = LoraBatch((LoraSegment(0, T, segments[0].adapter),), T)
-        for name in [n for n in calls if n == "fused" or n not in ("base", "blas", "sgmv") and not _alone(n)]:
+        for name in [n for n in calls if n not in ("base", "blas", "sgmv") and not _alone(n)]:  # fused, baselines
             calls[f"{name}:one"] = (lambda f: lambda lora, layer: f(one, layer))(calls[name])
     ceiling = matmul_gflops(2048, 3)
     # times[name][round][layer]: seconds. A round runs every path over every layer: a step at a time, the paths in

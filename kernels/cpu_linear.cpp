@@ -254,6 +254,13 @@ struct LoraPlan {
     return lora_shrink::ShrinkJob{tb, layer, modules, s_cols, x, xs, K, s, ss};
   }
 
+  // The module (index into modules) whose output columns hold column c.
+  size_t module_at(int64_t c) const {
+    size_t i = 0;
+    while (c >= bounds[i + 1]) ++i;
+    return i;
+  }
+
   // Segment seg's B^T columns of every panel, panel by panel ([panel][the panel's module's rank][NR] in data,
   // panel p from offset at[p]), copied in one pass over B^T's rows, each row front to back: where the threads split
   // the rows (run()) each piece of a chunk needs every panel's columns, and at() copied them a panel at a time,
@@ -267,12 +274,12 @@ struct LoraPlan {
     std::vector<float> data;
     std::vector<int64_t> at;
   };
-  void copy_panels(int64_t seg, int64_t num_panels, PanelCopy& out) const {
-    out.at.assign(num_panels, 0);
+  void copy_panels(int64_t seg, PanelCopy& out) const {
+    out.at.assign(bounds.back() / NR, 0);  // every panel: the modules' columns cover the output (linear_lora)
     int64_t total = 0;
     for (size_t i = 0; i + 1 < bounds.size(); ++i) {
       const int rank = tb.entry(seg, layer, modules[i])[0];
-      for (int64_t p = bounds[i] / NR; p < bounds[i + 1] / NR && p < num_panels; ++p) out.at[p] = total, total += rank * NR;
+      for (int64_t p = bounds[i] / NR; p < bounds[i + 1] / NR; ++p) out.at[p] = total, total += rank * NR;
     }
     out.data.resize(total);
     const Pages pg = tb.pages_of(seg);
@@ -293,8 +300,7 @@ struct LoraPlan {
   }
   // The epilogue of segment seg's rows (from row r) at panel p, from its copy_panels.
   Epilogue from_copy(int64_t seg, int64_t r, int64_t p, const PanelCopy& copy) const {
-    size_t i = 0;
-    while (p * NR >= bounds[i + 1]) ++i;
+    const size_t i = module_at(p * NR);
     return Epilogue{s + r * ss + s_cols[i], ss, copy.data.data() + copy.at[p], tb.entry(seg, layer, modules[i])[0]};
   }
 
@@ -309,8 +315,7 @@ struct LoraPlan {
   // 0.64 -> 0.53, o 0.37 -> 0.30 and 0.34 -> 0.27, gate/up 2.04 -> 1.83 and 2.53 -> 2.27, down 0.38 -> 0.36
   // and 0.41 -> 0.37.
   Epilogue at(int64_t seg, int64_t r, int64_t c, float* bt) const {
-    size_t i = 0;
-    while (c >= bounds[i + 1]) ++i;
+    const size_t i = module_at(c);
     const int32_t* l = tb.entry(seg, layer, modules[i]);
     const int rank = l[0];
     const int64_t out = bounds[i + 1] - bounds[i];
@@ -410,7 +415,7 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
           const LoraPlan::Piece* pc = here[j];
           const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
           lora_shrink::shrink_span(job, pc->seg, a, b - a, tables);
-          plan->copy_panels(pc->seg, P, copies[j]);
+          plan->copy_panels(pc->seg, copies[j]);
           by_piece[pc - pieces] = &copies[j];
         }
         panels_over(m0, m1, 0, P, nullptr, by_piece.data());
