@@ -19,6 +19,10 @@
 
 #include "cpu_pool_tables.h"
 
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 namespace lora_shrink {
 
@@ -45,6 +49,24 @@ template <typename T>
 inline T vload(const float* p) { return *reinterpret_cast<const typename Unaligned<T>::type*>(p); }
 template <typename T> inline void vstore(float* p, T v) { *reinterpret_cast<typename Unaligned<T>::type*>(p) = v; }
 
+// c + a * b in one rounding, whatever the block's size. Left to `acc += x * a`, GCC 12 (-march=znver4) contracted it
+// into FMAs for blocks of 2 rows and more but, for one row, emitted separate multiplies and adds: a token's s then
+// depended on the size of the block it fell in, and linear_lora's rows split (where a chunk's cut can leave a piece of
+// one row) differed from its panels split in the last bits (tests/kernels/test_cpu_lora_gemm.py, AMD EPYC Zen 4,
+// forty-first session). The intrinsics are FMAs on every path; elsewhere the contraction is left to the compiler.
+template <typename T>
+inline T fmadd(T c, float x, T a) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 64)
+    return reinterpret_cast<T>(_mm512_fmadd_ps(_mm512_set1_ps(x), reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(c)));
+#endif
+#if defined(__FMA__)
+  if constexpr (sizeof(T) == 32)
+    return reinterpret_cast<T>(_mm256_fmadd_ps(_mm256_set1_ps(x), reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(c)));
+#endif
+  return c + x * a;
+}
+
 bool long_ok(int64_t rank, int64_t d) { return rank > 0 && rank <= MAX_RANK && rank % 8 == 0 && d % VEC == 0; }
 
 // acc[r] += x_r[k .. k + KU) @ A^T[k .. k + KU, c0 : c0 + NV*w] for R tokens: KU steps of k per walk down the rows.
@@ -68,7 +90,7 @@ inline void shrink_k(T (&acc)[R][NV], const float* __restrict x, int64_t xs, con
     for (int u = 0; u < KU; ++u) xv[u] = xr[u];
 #pragma GCC unroll 16
     for (int u = 0; u < KU; ++u)
-      for (int v = 0; v < NV; ++v) acc[r][v] += xv[u] * a[u][v];
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(acc[r][v], xv[u], a[u][v]);
     xr += xs;
     asm("" : "+r"(xr));
   }

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_testkit import PageDealer, rel_err
-from loraplex.kernels import LoraBatch, cpu_linear, cpu_lora_gemm, cpu_sgmv
+from loraplex.kernels import LoraBatch, LoraSegment, cpu_linear, cpu_lora_gemm, cpu_sgmv
 from native_kernels import require_built
 from sgmv_testkit import build_batch, lora_delta_ref, place, poisoned_pool, random_lora_adapter, sgmv_geometry
 
@@ -143,6 +143,27 @@ def test_the_threads_split_rows_or_panels_to_the_same_sums(lens, monkeypatch):
     assert rel_err(one[p.fused_rows], p.ref[p.fused_rows]) < 1e-5
     plain = cpu_linear.linear(p.x, p.packed, p.b)
     assert torch.equal(one[~p.fused_rows], plain[~p.fused_rows])
+
+
+@pytest.mark.parametrize("rank", [8, 16, 24])
+def test_a_tokens_shrink_is_the_same_in_any_block(rank):
+    """The shrink cuts a segment into blocks of up to 12 tokens (6 on AVX2) and linear_lora's rows split cuts it again
+    where a thread's chunk ends, so the same token may be shrunk in a block of one or of several: its s must be the
+    same bit for bit (GCC once contracted the block of one's sums into FMAs and the others' not alike)."""
+    seed = random.randrange(2**31)
+    d = cpu_linear.panel_width()
+    case = dict(d=d, widths=[2, 1, 1], in_features=1600 + d, rows_per_page=6, ranks=[[rank] * 3], lens=[40],
+                assignment=[0], bias=False, seed=seed)
+    p = _projection(case)
+    adapter = p.lora.segments[0].adapter
+    start = p.lora.segments[0].start
+    whole = LoraBatch((LoraSegment(start, 15, adapter),), p.lora.num_tokens)
+    rows = [whole] + [LoraBatch(tuple(LoraSegment(start + t, n, adapter) for t, n in cuts), p.lora.num_tokens)
+                      for cuts in ([(0, 14), (14, 1)], [(0, 1), (1, 14)], [(t, 1) for t in range(15)])]
+    got = [cpu_lora_gemm.shrink(p.x, p.pool_rows, b, p.layer, p.cols) for b in rows]
+    for s, cols in got[1:]:
+        for c in cols:
+            assert torch.equal(s[start : start + 15, c : c + rank], got[0][0][start : start + 15, c : c + rank]), seed
 
 
 def test_split_leaves_ranks_the_blocked_kernels_do_not_take():
