@@ -10,7 +10,10 @@ engine makes them (wall seconds of the calling thread, the kernels' own threads 
   --paths shrink times it alone);
 - apply_lora_group: the LoRA of decode tokens and short prefill segments (the kernel set's);
 - paged_attention, write_kv; rms_norm, add_rms_norm, rope, swiglu (the model's pointwise ops);
-- step: EngineCore.step as a whole; other: step minus the calls above (scheduling, sampling, Python).
+- step: EngineCore.step as a whole; other: step minus the calls above (scheduling, sampling, Python);
+- apply_lora_group_rerun (with --rerun): each apply_lora_group call made again at once on a copy of its output,
+  its adapter rows now in cache: what the call costs warm, beside what it cost where the step made it. The copies
+  fall in other, and the reruns lengthen the walls, so with --rerun A's wall is not B's to compare.
 Each is split by step kind: prefill (a step holding a prompt chunk, with or without decode tokens) and decode.
 Per run A and B the medians over rounds, and A minus B: where the adapters' extra time goes. With --baseline-source
 OLD.cpp (an earlier kernels/cpu_linear.cpp), a run C with adapters whose prefill LoRA GEMMs come from that build
@@ -20,7 +23,7 @@ Sessions had written `/tmp` scripts of this kind again and again (RESULTS.md); t
 command.
 
     .venv/bin/python benchmarks/offline_profile.py [--preset quick] [--rounds 2] [--work-dir DIR] [--out F]
-                                                   [--baseline-source OLD_cpu_linear.cpp]
+                                                   [--baseline-source OLD_cpu_linear.cpp] [--rerun]
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ from loraplex.kernels.cpu_build import baseline_builds  # noqa: E402
 from loraplex.models import llama  # noqa: E402
 
 KINDS = ("prefill", "decode")
-CALLS = ("gemm", "gemm_lora", "apply_lora_group", "paged_attention", "write_kv", "rms_norm",
-         "add_rms_norm", "rope", "swiglu")
+CALLS = ("gemm", "gemm_lora", "apply_lora_group", "apply_lora_group_rerun", "paged_attention", "write_kv",
+         "rms_norm", "add_rms_norm", "rope", "swiglu")
 
 
 class Timers:
@@ -62,6 +65,7 @@ class Timers:
         self.kind = "decode"
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self.gemm_ext: ModuleType | None = None  # the cpu_linear build linear_lora runs (None: this checkout's)
+        self.rerun = False  # each apply_lora_group call again at once, timed apart (--rerun)
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -109,6 +113,9 @@ def timed_engine(engine: EngineCore, timers: Timers) -> Iterator[None]:
     timed_ops = dataclasses.replace(ops, pointwise=timed_pw,
                                     **{n: timers.wrap(n, getattr(ops, n))
                                        for n in ("apply_lora_group", "paged_attention", "write_kv")})
+    if timers.rerun:
+        timed_ops = dataclasses.replace(timed_ops, apply_lora_group=_with_rerun(timed_ops.apply_lora_group,
+                                                                                ops.apply_lora_group, timers))
     forward = model.forward
 
     def forward_of_kind(step, *args, **kwargs):
@@ -135,6 +142,18 @@ def timed_engine(engine: EngineCore, timers: Timers) -> Iterator[None]:
         yield
 
 
+def _with_rerun(timed: Callable, plain: Callable, timers: Timers) -> Callable:
+    """apply_lora_group as the step makes it (timed), then again at once on a copy of y, timed apart as
+    apply_lora_group_rerun: the adapter rows the first call brought into cache are still there."""
+    def call(y, x, *rest):
+        timed(y, x, *rest)
+        again = y.clone()
+        t = time.perf_counter()
+        plain(again, x, *rest)
+        timers.seconds[(timers.kind, "apply_lora_group_rerun")] += time.perf_counter() - t
+    return call
+
+
 def _medians(runs: list[dict]) -> dict[str, dict[str, float]]:
     return {k: {c: statistics.median(r["seconds"][k][c] for r in runs) for c in runs[0]["seconds"][k]} for k in KINDS}
 
@@ -148,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/lp-offline-profile"),
                     help="where the trace's adapters are written (reused across runs)")
     ap.add_argument("--out", type=Path, default=_BENCH / "results" / "offline_profile.json")
+    ap.add_argument("--rerun", action="store_true",
+                    help="time each apply_lora_group call again at once, its adapter rows in cache (walls not comparable)")
     ap.add_argument("--baseline-source", type=Path, default=None,
                     help="an earlier kernels/cpu_linear.cpp: run C, with adapters, takes its prefill LoRA GEMMs")
     args = ap.parse_args(argv)
@@ -165,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     if baseline is not None:
         systems["C"] = LoraplexSystem("with-adapters-baseline", engine, True)
     timers = Timers()
+    timers.rerun = args.rerun
     systems["A"].warmup()
     with timed_engine(engine, timers):
         for label, s in systems.items():  # a first untimed run each: the steps' buffers and the kernels' first calls
@@ -182,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{label} round {r}: {result.wall_s:.2f} s", file=sys.stderr, flush=True)
     med = {label: _medians(rs) for label, rs in runs.items()}
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "preset": args.preset, "model": args.model, "requests": len(requests),
+           "preset": args.preset, "model": args.model, "rerun": args.rerun, "requests": len(requests),
            "distinct_adapters": len(used_adapters(requests)), "rounds": args.rounds, "runs": runs,
            "wall_s_median": {label: statistics.median(r["wall_s"] for r in rs) for label, rs in runs.items()},
            "median_s": med,

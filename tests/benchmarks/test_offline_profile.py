@@ -105,3 +105,40 @@ def test_the_timers_build_runs_the_engines_lora_gemms(tmp_path, monkeypatch):
         assert cpu_lora_gemm.linear_lora(*range(7)) == "y"
     assert got == [(tuple(range(7)), None), (tuple(range(7)), build)]
     assert timers.take()["decode"]["gemm_lora"] > 0
+
+
+def test_rerun_times_each_lora_call_again_on_a_copy(tmp_path):
+    """--rerun: every apply_lora_group call of the runs with adapters is made again at once on a copy of its output
+    and timed apart; the runs without adapters make none, and without --rerun there is no rerun time."""
+    import torch
+
+    model = make_tiny_model(tmp_path / "model", "llama", seed=9)
+    out = offline_profile.main(["--preset", "tiny", "--model", str(model), "--rounds", "1", "--work-dir",
+                                str(tmp_path / "work"), "--out", str(tmp_path / "p.json"), "--rerun"])
+    assert out["rerun"] is True
+    for run in out["runs"]["A"]:
+        assert run["seconds"]["decode"]["apply_lora_group_rerun"] > 0
+    for run in out["runs"]["B"]:
+        assert all(run["seconds"][k]["apply_lora_group_rerun"] == 0 for k in offline_profile.KINDS)
+
+    timers = offline_profile.Timers()
+    calls = []
+
+    def lora_group(y, x, *rest):  # stands for the kernel set's: adds 1 where it runs
+        calls.append(y)
+        y += 1
+
+    wrapped = offline_profile._with_rerun(timers.wrap("apply_lora_group", lora_group), lora_group, timers)
+    y = torch.zeros(2, 3)
+    wrapped(y, torch.ones(2, 4))
+    assert torch.equal(y, torch.ones(2, 3))  # the step's output took the call once, not twice
+    assert len(calls) == 2 and calls[1] is not y
+    seconds = timers.take()["decode"]
+    assert seconds["apply_lora_group"] > 0 and seconds["apply_lora_group_rerun"] > 0
+
+
+def test_without_rerun_no_call_is_made_twice(result):
+    assert result["rerun"] is False
+    for label in "AB":
+        for run in result["runs"][label]:
+            assert all(run["seconds"][k]["apply_lora_group_rerun"] == 0 for k in offline_profile.KINDS)
