@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="where the trace's adapters are written (reused across runs)")
     ap.add_argument("--out", type=Path, default=_BENCH / "results" / "offline_profile.json")
     ap.add_argument("--rerun", action="store_true",
-                    help="time each apply_lora_group call again at once, its adapter rows in cache (walls not comparable)")
+                    help="time each apply_lora_group call again at once, its adapter rows in cache (then A's wall "
+                         "and B's are not to be compared)")
     ap.add_argument("--baseline-source", type=Path, default=None,
                     help="an earlier kernels/cpu_linear.cpp: run C, with adapters, takes its prefill LoRA GEMMs")
     args = ap.parse_args(argv)
