@@ -368,9 +368,9 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
   const LoraPlan::Piece* pieces_end = pieces + (plan != nullptr ? plan->pieces.size() : 1);
   const auto& blocks = BLOCKS[l1_prefetch(M) ? 1 : near_prefetch(M) ? 2 : 0];
   // Rows [m0, m1) against panels [p0, p1). bt: LoraPlan::at's copy of B^T's columns.
-  // copies: null, or per piece (its index in pieces) its copy_panels for these rows.
+  // copies: null, or per segment its copy_panels (those of the pieces in these rows made).
   const auto panels_over = [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, float* bt,
-                               const LoraPlan::PanelCopy* const* copies = nullptr) {
+                               const LoraPlan::PanelCopy* copies = nullptr) {
     for (int64_t p = p0; p < p1; ++p) {
       const int ncols = static_cast<int>(std::min<int64_t>(NR, n - p * NR));
       const float* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
@@ -378,7 +378,7 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
         const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
         if (a >= b) continue;
         const Epilogue e = pc->seg < 0       ? Epilogue{nullptr, 0, nullptr, 0}
-                           : copies != nullptr ? plan->from_copy(pc->seg, a, p, *copies[pc - pieces])
+                           : copies != nullptr ? plan->from_copy(pc->seg, a, p, copies[pc->seg])
                                                : plan->at(pc->seg, a, p * NR, bt);
         rows_by_panel(xp, xs, a, b - a, wp + p * K * NR, K, yp + p * NR, n, ncols,
                       bp == nullptr ? nullptr : bp + p * NR, next, e, blocks);
@@ -403,22 +403,19 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
     const lora_shrink::ShrinkJob job = plan->shrink_job(xp, xs, K);
     at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
       lora_shrink::ShrinkTables tables;
-      std::vector<LoraPlan::PanelCopy> copies;  // the chunk's pieces', their buffers kept from chunk to chunk
-      std::vector<const LoraPlan::PanelCopy*> by_piece(pieces_end - pieces, nullptr);
+      // Per segment, its copy_panels, made at the first of this thread's chunks that holds the segment: a copy
+      // depends on the segment alone, and a long segment spans several chunks.
+      std::vector<LoraPlan::PanelCopy> copies(plan->tb.num_segs);
+      std::vector<bool> copied(plan->tb.num_segs, false);
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t m0 = M * c / nc, m1 = M * (c + 1) / nc;
-        std::vector<const LoraPlan::Piece*> here;  // the chunk's pieces with an adapter
-        for (const LoraPlan::Piece* pc = pieces; pc != pieces_end; ++pc)
-          if (std::max(pc->r0, m0) < std::min(pc->r1, m1) && pc->seg >= 0) here.push_back(pc);
-        if (copies.size() < here.size()) copies.resize(here.size());  // before any pointer into it is taken
-        for (size_t j = 0; j < here.size(); ++j) {
-          const LoraPlan::Piece* pc = here[j];
+        for (const LoraPlan::Piece* pc = pieces; pc != pieces_end; ++pc) {
           const int64_t a = std::max(pc->r0, m0), b = std::min(pc->r1, m1);
+          if (a >= b || pc->seg < 0) continue;
           lora_shrink::shrink_span(job, pc->seg, a, b - a, tables);
-          plan->copy_panels(pc->seg, copies[j]);
-          by_piece[pc - pieces] = &copies[j];
+          if (!copied[pc->seg]) plan->copy_panels(pc->seg, copies[pc->seg]), copied[pc->seg] = true;
         }
-        panels_over(m0, m1, 0, P, nullptr, by_piece.data());
+        panels_over(m0, m1, 0, P, nullptr, copies.data());
       }
     });
     return y;

@@ -158,9 +158,9 @@ def test_a_tokens_shrink_is_the_same_in_any_block(rank):
     adapter = p.lora.segments[0].adapter
     start = p.lora.segments[0].start
     whole = LoraBatch((LoraSegment(start, 15, adapter),), p.lora.num_tokens)
-    rows = [whole] + [LoraBatch(tuple(LoraSegment(start + t, n, adapter) for t, n in cuts), p.lora.num_tokens)
-                      for cuts in ([(0, 14), (14, 1)], [(0, 1), (1, 14)], [(t, 1) for t in range(15)])]
-    got = [cpu_lora_gemm.shrink(p.x, p.pool_rows, b, p.layer, p.cols) for b in rows]
+    batches = [whole] + [LoraBatch(tuple(LoraSegment(start + t, n, adapter) for t, n in cuts), p.lora.num_tokens)
+                         for cuts in ([(0, 14), (14, 1)], [(0, 1), (1, 14)], [(t, 1) for t in range(15)])]
+    got = [cpu_lora_gemm.shrink(p.x, p.pool_rows, b, p.layer, p.cols) for b in batches]
     for s, cols in got[1:]:
         for c in cols:
             assert torch.equal(s[start : start + 15, c : c + rank], got[0][0][start : start + 15, c : c + rank]), seed
