@@ -17,10 +17,6 @@
 
 #include "torch_ext.h"
 
-#if defined(__AVX512F__)
-#include <cpuid.h>  // x86 only, as AVX-512 is: cpu_family
-#endif
-
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -28,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_family.h"
 #include "cpu_lora_shrink.h"
 #include "cpu_pool_tables.h"
 
@@ -185,16 +182,7 @@ constexpr std::array<std::array<BlockFn, MR>, 3> BLOCKS = {
 // was not).
 bool l1_prefetch(int64_t M) {
 #if defined(__AVX512F__)
-  // x86 family with the extended bits: 25 a Zen 3/4, 26 a Zen 5; 0 if cpuid says nothing
-  const auto cpu_family = [] {
-    unsigned a, b, c, d;
-    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return 0;
-    const int base = (a >> 8) & 0xf;
-    return base == 0xf ? base + static_cast<int>((a >> 20) & 0xff) : base;
-  };
-  static const bool amd = __builtin_cpu_is("amd");
-  static const bool zen5 = amd && cpu_family() >= 26;
-  return amd && (M >= 2 * MR || (zen5 && M > MR));
+  return cpu_family::amd() && (M >= 2 * MR || (cpu_family::zen5() && M > MR));
 #else
   return false;  // measured only on AVX-512 CPUs
 #endif
@@ -213,8 +201,7 @@ bool l1_prefetch(int64_t M) {
 // AVX2 builds.
 bool near_prefetch(int64_t M) {
 #if defined(__AVX512F__)
-  static const bool amd = __builtin_cpu_is("amd");
-  return !amd && M <= 32;
+  return !cpu_family::amd() && M <= 32;
 #else
   (void)M;
   return false;

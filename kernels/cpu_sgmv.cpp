@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_family.h"
 #include "cpu_lora_shrink.h"
 #include "cpu_pool_tables.h"
 
@@ -375,7 +376,30 @@ struct NextItem {
   }
 };
 
-// Whether the decode items ask for the next item's bytes (NextItem): on AMD CPUs, not on the others. On an Intel
+// Whether the decode kernels take their AMD Zen 5 form: no next-item asks (next_item_asks), the shrink's prefetches
+// into L1 rather than L2 (few_shrink's HINT), rank 8's shrink two rows of A^T to a vector (few_shrink8x2, AVX-512),
+// and the row-sweep expand over 8 rows of B^T at a time without asking for the next rows (few_expand_rows). On an
+// AMD EPYC family 26 model 2 (Zen 5: AVX-512, 1 MiB L2 a core, 32 MiB L3, 2 vCPUs, memory read at 94-100 GB/s),
+// one B=64 decode step's LoRA, 64 tokens over 30 adapters of ranks 8/16 (benchmarks/cpu_lora_decode_bench.py
+// --batch 64 --adapters 30 --reps 30 --layers 30, each step's build beside the one before, paired medians of 30
+// rounds; RESULTS.md, forty-second session), ms: the asks off -0.16 and -0.24 of 7.9 (faster in 30 and 38 of 40);
+// then 8 rows a sweep without the next rows' asks -0.49 of 7.70 (27 of 30; 8 rows with the asks -0.27, 16 rows
+// +0.22, B^T asked for a pool row ahead +0.04); then rank 8 in pairs -0.14 of 7.36 (23 of 30); then the
+// prefetches into L1 -0.12 and -0.11 (23 and 22 of 30; without them +1.02). Asking for the item's own B^T during
+// its shrink (as NextItem asks for the next item's) cost +0.52, into L1 +0.41. With the step's adapters in L3 (one
+// layer, one thread) the whole form took 0.24 against 0.34 ms.
+// LORAPLEX_SGMV_ZEN5 / _NO_ZEN5 force either (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
+bool zen5_decode() {
+#if defined(LORAPLEX_SGMV_ZEN5)
+  return true;
+#elif defined(LORAPLEX_SGMV_NO_ZEN5)
+  return false;
+#else
+  return cpu_family::zen5();
+#endif
+}
+
+// Whether the decode items ask for the next item's bytes (NextItem): on AMD CPUs before Zen 5, not on the others. On an Intel
 // Xeon (family 6 model 167, AVX-512, 2 MB L2 a core; benchmarks/cpu_lora_decode_bench.py with the build without the
 // asks beside this one, alternating in one process, paired medians of 30 rounds, RESULTS.md, thirty-eighth session)
 // the asks cost 64 tokens over 30 adapters +1.76 ms of 21.9 (slower in 27 of 30 rounds), one thread +2.87 of 39.3
@@ -391,8 +415,7 @@ bool next_item_asks() {
 #elif defined(LORAPLEX_SGMV_NO_NEXT_ITEM)
   return false;
 #elif defined(__x86_64__) || defined(__i386__)
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
+  return cpu_family::amd() && !zen5_decode();
 #else
   return true;  // measured on x86 CPUs only: as it was before the Intel runs
 #endif
@@ -401,8 +424,9 @@ bool next_item_asks() {
 // Accumulators the decode shrink may hold: NT tokens x NV vectors x P phases, half the registers or so.
 constexpr int FEW_ACC = VEC == 16 ? 16 : 8;
 
-// The NV vectors of type T of one row of A^T (R = NV * lanes floats) for NT tokens, P phases.
-template <int NT, int NV, typename T>
+// The NV vectors of type T of one row of A^T (R = NV * lanes floats) for NT tokens, P phases; HINT the
+// prefetches' locality: 2 into L2, 3 into L1 (the Zen 5 form: zen5_decode).
+template <int NT, int NV, typename T, int HINT>
 inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, int64_t a_elem, int64_t in,
                        float scale, float (*__restrict s)[MAX_RANK], NextItem& next) {
   constexpr int L = sizeof(T) / sizeof(float), R = NV * L;
@@ -422,7 +446,7 @@ inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, i
     int64_t run0;
     const float* p0 = pg.at(a_elem, &run0);
     const int64_t lead = std::min(std::min(run0, in * R), FEW_AHEAD);
-    for (int64_t o = 0; o < lead; o += 16) __builtin_prefetch(p0 + o, 0, 2);
+    for (int64_t o = 0; o < lead; o += 16) __builtin_prefetch(p0 + o, 0, HINT);
   }
   int64_t i = 0;
   while (i < in) {
@@ -444,7 +468,7 @@ inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, i
       // The rows FEW_AHEAD floats on, a slice per step (harmless where it runs past the page).
       const float* ahead = p + (r + P) * R + FEW_AHEAD;
 #pragma GCC unroll 16
-      for (int l = 0; l < (P * R * 4 + 63) / 64; ++l) __builtin_prefetch(ahead + 16 * l, 0, 2);  // into L2: see few_expand
+      for (int l = 0; l < (P * R * 4 + 63) / 64; ++l) __builtin_prefetch(ahead + 16 * l, 0, HINT);  // see few_expand
       next.ask(P * R);
 #pragma GCC unroll 64
       for (int q = 0; q < P; ++q)
@@ -470,6 +494,77 @@ inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, i
       vstore<T>(s[t] + v * L, sum * scale);
     }
 }
+
+#if defined(__AVX512F__)
+// The rank-8 shrink of the Zen 5 form (zen5_decode): two rows of A^T (16 floats) to a vector, multiplied by the
+// token's x at those two rows (16 floats of x permuted, 8 copies of each of two), so that half as many FMAs run as
+// with a row to an 8-float vector; the sums of the two halves are added at the end. Prefetches as few_shrink's,
+// into L1.
+typedef int ivec16 __attribute__((vector_size(16 * sizeof(int))));
+constexpr ivec16 PAIR_IDX[8] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
+    {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
+    {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
+    {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+    {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+
+template <int NT>
+inline void few_shrink8x2(const float* __restrict x, int64_t xs, const Pages& pg, int64_t a_elem, int64_t in,
+                          float scale, float (*__restrict s)[MAX_RANK]) {
+  constexpr int Q = NT == 1 ? 8 : NT == 2 ? 4 : 2;  // partial sums a token: 8 FMA chains or more in flight
+  vecv acc[Q][NT];
+  vec8 tail[NT];  // rows left over at a page's end, one to an 8-float vector
+#pragma GCC unroll 64
+  for (int t = 0; t < NT; ++t) {
+    tail[t] = vec8{};
+    for (int q = 0; q < Q; ++q) acc[q][t] = vecv{};
+  }
+  int64_t run0;
+  const float* p0 = pg.at(a_elem, &run0);
+  const int64_t lead = std::min(std::min(run0, in * 8), FEW_AHEAD);
+  for (int64_t o = 0; o < lead; o += 16) __builtin_prefetch(p0 + o, 0, 3);
+  int64_t i = 0;
+  while (i < in) {
+    int64_t run;
+    const float* __restrict p = pg.at(a_elem + i * 8, &run);
+    // At least one row: a page holds whole rows of 8 (D, a multiple of 16 here, and A^T's start, a pool row).
+    const int64_t rows = std::min<int64_t>(run / 8, in - i);
+    const float* __restrict xr = x + i;
+    int64_t r = 0;
+    for (; r + 16 <= rows; r += 16) {
+      const float* ahead = p + (r + 16) * 8 + FEW_AHEAD;
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) __builtin_prefetch(ahead + 16 * l, 0, 3);
+      vecv xb[NT];
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) xb[t] = vload<vecv>(xr + t * xs + r);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const vecv a = vload<vecv>(p + (r + 2 * j) * 8);
+        for (int t = 0; t < NT; ++t) acc[j % Q][t] += __builtin_shuffle(xb[t], PAIR_IDX[j]) * a;
+      }
+    }
+    for (; r < rows; ++r) {
+      const vec8 a = vload<vec8>(p + r * 8);
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) tail[t] += xr[t * xs + r] * a;
+    }
+    i += rows;
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) {
+    vecv sum = acc[0][t];
+    for (int q = 1; q < Q; ++q) sum += acc[q][t];
+    alignas(64) float h[16];
+    vstore<vecv>(h, sum);
+    vstore<vec8>(s[t], (vload<vec8>(h) + vload<vec8>(h + 8) + tail[t]) * scale);
+  }
+}
+#endif
+
 
 // y_t[:out] += s_t @ B^T for NT tokens: NW vectors of columns at a time, accumulated over all R rows of
 // B^T in registers, then one update of y. rows[k * (out / d) + j]: pool row j of B^T's row k.
@@ -533,7 +628,7 @@ inline void few_expand(float* __restrict y, int64_t ys, const float (*__restrict
 // for the hardware prefetchers. On an AMD EPYC Zen 4 (48 tokens over 30 adapters of ranks 8/16, builds
 // alternating in one process; RESULTS.md, thirty-first session) 16.00 -> 15.44, 16.47 -> 15.84 and 16.60 ->
 // 15.53 ms; prefetching two groups ahead instead was no faster (15.65 and 15.89 against 15.41 and 15.38).
-template <int NT, int KB>
+template <int NT, int KB, bool AHEAD>
 inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__restrict s)[MAX_RANK],
                             const float* const* rows, int rank, int64_t out, int64_t d, NextItem& next) {
   static_assert(8 % KB == 0, "the decode kernels' ranks (8, 16, 32, 64: few_ok) are multiples of KB");
@@ -543,7 +638,7 @@ inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__res
       const float* __restrict b[KB];
 #pragma GCC unroll 16
       for (int q = 0; q < KB; ++q) b[q] = rows[(k + q) * per_k + j];
-      if (k + KB < rank) {
+      if (AHEAD && k + KB < rank) {
 #pragma GCC unroll 16
         for (int q = 0; q < KB; ++q)
           for (int64_t off = 0; off < d; off += 64 / sizeof(float))
@@ -592,23 +687,36 @@ inline int few_nw(int64_t d) {
   return 1;
 }
 
-template <int NT>
+// Z5: the Zen 5 form (zen5_decode).
+template <int NT, bool Z5>
 void few_block_n(float* y, int64_t ys, const float* x, int64_t xs, const Pages& pg, int64_t a_elem, int64_t b_elem,
                  int rank, int64_t in, int64_t out, int64_t d, float scale, NextItem& next) {
+  constexpr int H = Z5 ? 3 : 2;
   alignas(64) float s[NT][MAX_RANK];
   switch (rank) {
-    case 8: few_shrink<NT, 1, vec8>(x, xs, pg, a_elem, in, scale, s, next); break;
-    case 16: few_shrink<NT, 16 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s, next); break;
-    case 32: few_shrink<NT, 32 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s, next); break;
+    case 8:
+#if defined(__AVX512F__)
+      if constexpr (Z5) {
+        few_shrink8x2<NT>(x, xs, pg, a_elem, in, scale, s);
+        break;
+      }
+#endif
+      few_shrink<NT, 1, vec8, H>(x, xs, pg, a_elem, in, scale, s, next);
+      break;
+    case 16: few_shrink<NT, 16 / VEC, vecv, H>(x, xs, pg, a_elem, in, scale, s, next); break;
+    case 32: few_shrink<NT, 32 / VEC, vecv, H>(x, xs, pg, a_elem, in, scale, s, next); break;
     default:
       if constexpr (NT * 64 / VEC <= FEW_ACC) {
-        few_shrink<NT, 64 / VEC, vecv>(x, xs, pg, a_elem, in, scale, s, next);  // rank 64 (few_ok)
+        few_shrink<NT, 64 / VEC, vecv, H>(x, xs, pg, a_elem, in, scale, s, next);  // rank 64 (few_ok)
         break;
       }
   }
   const std::vector<const float*> rows = b_rows(pg, b_elem, rank * out / d, d);
   if (expand_by_rows()) {
-    few_expand_rows<NT, 4>(y, ys, s, rows.data(), rank, out, d, next);
+    if constexpr (Z5)
+      few_expand_rows<NT, 8, false>(y, ys, s, rows.data(), rank, out, d, next);
+    else
+      few_expand_rows<NT, 4, true>(y, ys, s, rows.data(), rank, out, d, next);
     return;
   }
   switch (few_nw<NT>(d)) {
@@ -627,11 +735,20 @@ bool few_ok(int64_t nt, int64_t rank, int64_t d) {
 
 void few_block(float* y, int64_t ys, const float* x, int64_t xs, int nt, const Pages& pg, int64_t a_elem,
                int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d, float scale, NextItem& next) {
+  if (zen5_decode()) {
+    switch (nt) {
+      case 1: few_block_n<1, true>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+      case 2: few_block_n<2, true>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+      case 3: few_block_n<3, true>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+      default: few_block_n<4, true>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next);
+    }
+    return;
+  }
   switch (nt) {
-    case 1: few_block_n<1>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
-    case 2: few_block_n<2>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
-    case 3: few_block_n<3>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
-    default: few_block_n<4>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next);
+    case 1: few_block_n<1, false>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+    case 2: few_block_n<2, false>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+    case 3: few_block_n<3, false>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
+    default: few_block_n<4, false>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next);
   }
 }
 
@@ -817,6 +934,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "blocked path (else they are left to the caller)");
   m.def("next_item_asks", &next_item_asks, "whether this build's decode items ask for the next item's bytes "
         "(NextItem)");
+  m.def("zen5_decode", &zen5_decode, "whether this build's decode kernels take their AMD Zen 5 form");
   m.def("expand_by_rows", &expand_by_rows, "whether this build's decode expand sweeps B^T's rows (else column "
         "chunks down them)");
 }
