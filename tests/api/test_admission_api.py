@@ -9,7 +9,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from api_server import make_tenant, server_config, start_server
+from api_server import free_port, make_tenant, server_config, start_server
 
 REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -58,7 +58,8 @@ def test_two_replicas_share_one_budget_in_redis(chat_model_dir, tmp_path):
     _redis_or_fail()
     config = server_config(chat_model_dir, tmp_path, default_requests_per_minute=4, redis_url=REDIS_URL)
     a = start_server(config)
-    b = start_server(replace(config, port=config.port + 1 if config.port < 65535 else config.port - 1))
+    # A port of its own: the one after a's may be taken (an outgoing connection's ephemeral port took it once).
+    b = start_server(replace(config, port=free_port()))
     try:
         _, key = make_tenant(a, "shared-budget")  # one database: both replicas know the tenant
         with a.client(key) as ca, b.client(key) as cb:
