@@ -325,6 +325,27 @@ struct LoraPlan {
   }
 };
 
+// Whether a plain GEMM (no LoRA plan) splits its rows between the threads, as linear_lora does (run), rather than
+// its panels: on an AMD EPYC Zen 5 from 1536 rows on. The 30 layers' GEMMs of the default model, every layer its
+// own weights (benchmarks/cpu_linear_bench.py --stream --rows ... --layers 30 --reps 8 --baseline-source <this
+// split>, builds alternating in one process, paired medians of 8 rounds; RESULTS.md, forty-second session): 2048
+// rows -33.6 ms of 907, 2018 -23.8 of 888, 1536 -4.3 of 658 (faster in 8 of 8 each); 1024 +0.04; 768, 657 and 512
+// rows +2.1, +1.8, +1.9 (slower in 7-8 of 8). The outputs the same bit for bit. Not measured on other CPUs, where
+// the panels split stays (the thirty-seventh and forty-first sessions found the rows split costing nothing by itself
+// beside the LoRA epilogue on a Zen 3 and a Zen 4). LORAPLEX_LINEAR_PLAIN_ROWS / _PLAIN_PANELS force either at
+// every size (tests/kernels/test_cpu_linear.py builds the one not chosen here).
+bool plain_rows_split(int64_t M) {
+#if defined(LORAPLEX_LINEAR_PLAIN_ROWS)
+  (void)M;
+  return true;
+#elif defined(LORAPLEX_LINEAR_PLAIN_PANELS)
+  (void)M;
+  return false;
+#else
+  return cpu_family::zen5() && M >= 1536;
+#endif
+}
+
 at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t n,
                const LoraPlan* plan) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
@@ -374,6 +395,14 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
     }
   };
   const int64_t threads = at::get_num_threads();
+  // Chunks of rows for the rows split, as many for each thread.
+  const int64_t nc = threads * ((M + threads * chunk - 1) / (threads * chunk));
+  if (plan == nullptr && (M + chunk - 1) / chunk >= threads && plain_rows_split(M)) {
+    at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) panels_over(M * c / nc, M * (c + 1) / nc, 0, P, nullptr);
+    });
+    return y;
+  }
   if (plan != nullptr && (M + chunk - 1) / chunk >= threads) {
     // The threads split the rows, not the panels: each shrinks a chunk of rows (the adapters' x @ A^T) and then
     // runs every panel over the same chunk, while its x is still in L2; a shrink pass of its own over the whole
@@ -386,7 +415,6 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
     // GEMMs with the shrink a pass of its own, 125.5 with it here, the same sums bit for bit. Below a chunk per
     // thread the rows split lost: 64 rows (two segments) added 20.3 ms over 30 layers against 9.2 for the panel
     // split, each thread then reading every panel for a few rows.
-    const int64_t nc = threads * ((M + threads * chunk - 1) / (threads * chunk));
     const lora_shrink::ShrinkJob job = plan->shrink_job(xp, xs, K);
     at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
       lora_shrink::ShrinkTables tables;
@@ -475,6 +503,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs: the server's threads keep going meanwhile.
   m.def("linear", &linear, "y = x @ W^T (+ bias) with W packed in panels", py::arg("x"), py::arg("panels"),
         py::arg("bias"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
+  m.def("plain_rows_split", &plain_rows_split, "whether a plain GEMM of M rows splits its rows between the threads "
+        "(else its panels)");
   m.def("linear_lora", &linear_lora, "linear with each segment's LoRA shrink before and expand in the epilogue",
         py::call_guard<py::gil_scoped_release>());
   // linear_lora fills s itself (earlier builds took it from cpu_sgmv.shrink; benchmarks time those beside this)

@@ -18,12 +18,13 @@ tested.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loraplex.kernels import cpu_linear
+from loraplex.kernels import cpu_build, cpu_linear
 from loraplex.kernels.cpu_build import load_extension
 from native_kernels import require_built
 
@@ -65,7 +66,8 @@ def _make_w(n: int, k: int, transposed: bool, gen: torch.Generator) -> torch.Ten
     return torch.randn(k, n, generator=gen).t() if transposed else torch.randn(n, k, generator=gen)
 
 
-def _check_linear(m: int, k: int, n: int, bias: bool, x_layout: str, seed: int, w_transposed: bool = False):
+def _check_linear(m: int, k: int, n: int, bias: bool, x_layout: str, seed: int, w_transposed: bool = False,
+                  ext=None) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     what = f"M={m} K={k} N={n} bias={bias} x={x_layout} w_transposed={w_transposed} seed={seed}"
     x = _make_x(m, k, x_layout, gen)
@@ -75,7 +77,7 @@ def _check_linear(m: int, k: int, n: int, bias: bool, x_layout: str, seed: int, 
 
     packed = cpu_linear.pack(w)
     assert torch.equal(w, w_before), f"pack changed its source weight ({what})"
-    y = cpu_linear.linear(x, packed, b)
+    y = cpu_linear.linear(x, packed, b, ext=ext)
 
     assert torch.equal(x, x_before), f"linear changed x ({what})"
     assert y.shape == (m, n), f"y shape {tuple(y.shape)} ({what})"
@@ -87,7 +89,7 @@ def _check_linear(m: int, k: int, n: int, bias: bool, x_layout: str, seed: int, 
         ref = ref + b.double()
         bound = bound + b.double().abs()
     if m == 0 or n == 0:
-        return
+        return y
     assert torch.isfinite(y).all(), f"non-finite output ({what})"
     err = (y.double() - ref).abs()
     bad = err > TOL * bound
@@ -98,6 +100,7 @@ def _check_linear(m: int, k: int, n: int, bias: bool, x_layout: str, seed: int, 
             f"{int(bad.sum())} of {m * n} outputs off ({what}); first at [{i}, {j}]: got {y[i, j].item()!r}, "
             f"float64 {ref[i, j].item()!r}, bound {bound[i, j].item():.3g}; worst error / bound {worst:.3g}"
         )
+    return y
 
 
 # -- sweeps over the blocking edges -------------------------------------------------------------------
@@ -153,6 +156,28 @@ def test_one_or_no_input_features_with_a_column_stride():
     x = torch.randn(0, 3).t()  # [3, 0], strides (1, 3)
     y = cpu_linear.linear(x, cpu_linear.pack(torch.empty(4, 0)), None)
     assert torch.equal(y, torch.zeros(3, 4))
+
+
+@pytest.fixture(scope="module")
+def ext_other_split():
+    """The kernel built with the plain GEMM's split between the threads that this CPU's build does not take at 2048
+    rows (plain_rows_split: the rows on an AMD Zen 5 from 1536 rows on, the panels elsewhere), so that each machine
+    checks both."""
+    ext = load_extension("cpu_linear")
+    force = "PLAIN_PANELS" if ext.plain_rows_split(2048) else "PLAIN_ROWS"
+    src = Path(cpu_linear.__file__).with_name("cpu_linear.cpp")
+    other = cpu_build.compile_source(src, f"test_{force.lower()}_cpu_linear", extra_cflags=[f"-DLORAPLEX_LINEAR_{force}"])
+    assert other.plain_rows_split(2048) != ext.plain_rows_split(2048)
+    return other
+
+
+@pytest.mark.parametrize(("m", "k"), [(1536, 576), (2018, 576), (700, 1536), (169, 1536)])
+def test_plain_gemm_rows_or_panels_split_to_the_same_sums(ext_other_split, m, k):
+    # Rows cut into chunks per thread, or panels per thread: each output is the same sum in the same order.
+    seed = _fresh_seed()
+    y = _check_linear(m, k, 200, True, "column_slice", seed)
+    y_other = _check_linear(m, k, 200, True, "column_slice", seed, ext=ext_other_split)
+    assert torch.equal(y, y_other), f"M={m} K={k} seed={seed}"
 
 
 def test_many_panels_split_across_threads(nr):
