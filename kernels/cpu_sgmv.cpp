@@ -386,8 +386,10 @@ struct NextItem {
 // then 8 rows a sweep without the next rows' asks -0.49 of 7.70 (27 of 30; 8 rows with the asks -0.27, 16 rows
 // +0.22, B^T asked for a pool row ahead +0.04); then rank 8 in pairs -0.14 of 7.36 (23 of 30); then the
 // prefetches into L1 -0.12 and -0.11 (23 and 22 of 30; without them +1.02). Asking for the item's own B^T during
-// its shrink (as NextItem asks for the next item's) cost +0.52, into L1 +0.41. With the step's adapters in L3 (one
-// layer, one thread) the whole form took 0.24 against 0.34 ms.
+// its shrink (as NextItem asks for the next item's) cost +0.52, into L1 +0.41. The whole form against the build
+// before it (medians): 7.94 -> 7.34 and 7.88 -> 7.26 ms (paired -0.59, -0.60), one thread 14.38 -> 13.33, 48 / 30
+// 8.20 -> 7.16, 24 / 16 4.38 -> 3.92, 8 / 8 2.35 -> 2.00; with the step's adapters in L3 (one layer, one thread)
+// 0.35 -> 0.23.
 // LORAPLEX_SGMV_ZEN5 / _NO_ZEN5 force either (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
 bool zen5_decode() {
 #if defined(LORAPLEX_SGMV_ZEN5)
@@ -399,16 +401,15 @@ bool zen5_decode() {
 #endif
 }
 
-// Whether the decode items ask for the next item's bytes (NextItem): on AMD CPUs before Zen 5, not on the others. On an Intel
-// Xeon (family 6 model 167, AVX-512, 2 MB L2 a core; benchmarks/cpu_lora_decode_bench.py with the build without the
-// asks beside this one, alternating in one process, paired medians of 30 rounds, RESULTS.md, thirty-eighth session)
-// the asks cost 64 tokens over 30 adapters +1.76 ms of 21.9 (slower in 27 of 30 rounds), one thread +2.87 of 39.3
-// (30 of 30), 48 / 30 +1.41, 24 / 16 +1.00, 8 / 8 +0.20; with the row sweep the same (+1.64 at 64 / 30). The VM
-// gives no hardware counters to say why; a likely cause is that a software prefetch there holds one of the core's
-// few fill buffers until its line arrives, where the hardware's own streams over the adapters' runs of pages do
-// not. On the AMD EPYC Zen 3 (AVX2) the asks measured within noise, on the Zen 4 faster (above).
-// LORAPLEX_SGMV_NEXT_ITEM / _NO_NEXT_ITEM force either (tests/kernels/test_cpu_sgmv.py builds the one not chosen
-// here).
+// Whether the decode items ask for the next item's bytes (NextItem): on AMD CPUs before Zen 5 (zen5_decode), not on the
+// others. On an Intel Xeon (family 6 model 167, AVX-512, 2 MB L2 a core; benchmarks/cpu_lora_decode_bench.py with the
+// build without the asks beside this one, alternating in one process, paired medians of 30 rounds, RESULTS.md,
+// thirty-eighth session) the asks cost 64 tokens over 30 adapters +1.76 ms of 21.9 (slower in 27 of 30 rounds), one
+// thread +2.87 of 39.3 (30 of 30), 48 / 30 +1.41, 24 / 16 +1.00, 8 / 8 +0.20; with the row sweep the same (+1.64 at
+// 64 / 30). The VM gives no hardware counters to say why; a likely cause is that a software prefetch there holds one of
+// the core's few fill buffers until its line arrives, where the hardware's own streams over the adapters' runs of pages
+// do not. On the AMD EPYC Zen 3 (AVX2) the asks measured within noise, on the Zen 4 faster (above).
+// LORAPLEX_SGMV_NEXT_ITEM / _NO_NEXT_ITEM force either (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
 bool next_item_asks() {
 #if defined(LORAPLEX_SGMV_NEXT_ITEM)
   return true;
@@ -564,7 +565,6 @@ inline void few_shrink8x2(const float* __restrict x, int64_t xs, const Pages& pg
   }
 }
 #endif
-
 
 // y_t[:out] += s_t @ B^T for NT tokens: NW vectors of columns at a time, accumulated over all R rows of
 // B^T in registers, then one update of y. rows[k * (out / d) + j]: pool row j of B^T's row k.

@@ -166,7 +166,8 @@ def ext_other_split():
     ext = load_extension("cpu_linear")
     force = "PLAIN_PANELS" if ext.plain_rows_split(2048) else "PLAIN_ROWS"
     src = Path(cpu_linear.__file__).with_name("cpu_linear.cpp")
-    other = cpu_build.compile_source(src, f"test_{force.lower()}_cpu_linear", extra_cflags=[f"-DLORAPLEX_LINEAR_{force}"])
+    other = cpu_build.compile_source(src, f"test_{force.lower()}_cpu_linear",
+                                     extra_cflags=[f"-DLORAPLEX_LINEAR_{force}"])
     assert other.plain_rows_split(2048) != ext.plain_rows_split(2048)
     return other
 
