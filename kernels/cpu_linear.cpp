@@ -395,15 +395,16 @@ at::Tensor run(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, 
     }
   };
   const int64_t threads = at::get_num_threads();
-  // Chunks of rows for the rows split, as many for each thread.
+  // The rows split: nc chunks of rows, as many for each thread, where there is a chunk or more for each.
+  const bool chunk_each = (M + chunk - 1) / chunk >= threads;
   const int64_t nc = threads * ((M + threads * chunk - 1) / (threads * chunk));
-  if (plan == nullptr && (M + chunk - 1) / chunk >= threads && plain_rows_split(M)) {
+  if (plan == nullptr && chunk_each && plain_rows_split(M)) {
     at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) panels_over(M * c / nc, M * (c + 1) / nc, 0, P, nullptr);
     });
     return y;
   }
-  if (plan != nullptr && (M + chunk - 1) / chunk >= threads) {
+  if (plan != nullptr && chunk_each) {
     // The threads split the rows, not the panels: each shrinks a chunk of rows (the adapters' x @ A^T) and then
     // runs every panel over the same chunk, while its x is still in L2; a shrink pass of its own over the whole
     // batch before the GEMM read x from L3 or memory (a prefill chunk of 2048 tokens is 4.7 MB at K = 576). The

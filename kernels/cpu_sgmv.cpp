@@ -422,6 +422,20 @@ bool next_item_asks() {
 #endif
 }
 
+// A^T's first FEW_AHEAD floats (of its n), which the shrink loops' prefetches (FEW_AHEAD on) never ask for, asked for
+// at once where the item before did not (NextItem). One B=64 decode step's LoRA, 64 tokens over 30 adapters
+// (cpu_lora_decode_bench.py, the build before beside it, paired medians of 30 rounds, Intel Xeon family 6 model 167,
+// RESULTS.md, fortieth session): -0.24 and -0.25 ms of 16.8-17.0 (faster in 24 and 20 of 30 rounds), one thread
+// -0.51 of 34.0 (27 of 30); 24 / 16 -0.09; the scaling runs' step -0.03.
+template <int HINT>
+inline void ask_lead(const Pages& pg, int64_t a_elem, int64_t n) {
+  if (next_item_asks()) return;
+  int64_t run0;
+  const float* p0 = pg.at(a_elem, &run0);
+  const int64_t lead = std::min(std::min(run0, n), FEW_AHEAD);
+  for (int64_t o = 0; o < lead; o += 16) __builtin_prefetch(p0 + o, 0, HINT);
+}
+
 // Accumulators the decode shrink may hold: NT tokens x NV vectors x P phases, half the registers or so.
 constexpr int FEW_ACC = VEC == 16 ? 16 : 8;
 
@@ -438,17 +452,7 @@ inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, i
     for (int t = 0; t < NT; ++t)
       for (int v = 0; v < NV; ++v) acc[q][t][v] = T{};
   alignas(64) float cross[R];  // a row of A^T that crosses a page boundary
-  if (!next_item_asks()) {
-    // A^T's first FEW_AHEAD floats, which the loop's prefetches (FEW_AHEAD on) never ask for, asked for at once
-    // where the item before did not (NextItem, on AMD CPUs). One B=64 decode step's LoRA, 64 tokens over 30
-    // adapters (cpu_lora_decode_bench.py, the build before beside it, paired medians of 30 rounds, Intel Xeon
-    // family 6 model 167, RESULTS.md, fortieth session): -0.24 and -0.25 ms of 16.8-17.0 (faster in 24 and 20 of
-    // 30 rounds), one thread -0.51 of 34.0 (27 of 30); 24 / 16 -0.09; the scaling runs' step -0.03.
-    int64_t run0;
-    const float* p0 = pg.at(a_elem, &run0);
-    const int64_t lead = std::min(std::min(run0, in * R), FEW_AHEAD);
-    for (int64_t o = 0; o < lead; o += 16) __builtin_prefetch(p0 + o, 0, HINT);
-  }
+  ask_lead<HINT>(pg, a_elem, in * R);
   int64_t i = 0;
   while (i < in) {
     int64_t run;
@@ -523,10 +527,7 @@ inline void few_shrink8x2(const float* __restrict x, int64_t xs, const Pages& pg
     tail[t] = vec8{};
     for (int q = 0; q < Q; ++q) acc[q][t] = vecv{};
   }
-  int64_t run0;
-  const float* p0 = pg.at(a_elem, &run0);
-  const int64_t lead = std::min(std::min(run0, in * 8), FEW_AHEAD);
-  for (int64_t o = 0; o < lead; o += 16) __builtin_prefetch(p0 + o, 0, 3);
+  ask_lead<3>(pg, a_elem, in * 8);
   int64_t i = 0;
   while (i < in) {
     int64_t run;
