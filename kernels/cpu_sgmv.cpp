@@ -376,11 +376,12 @@ struct NextItem {
   }
 };
 
-// Whether the decode kernels take their AMD Zen 5 form: no next-item asks (next_item_asks), the shrink's prefetches
-// into L1 rather than L2 (few_shrink's HINT), rank 8's shrink two rows of A^T to a vector (few_shrink8x2, AVX-512),
-// and the row-sweep expand over 8 rows of B^T at a time without asking for the next rows (few_expand_rows). On an
-// AMD EPYC family 26 model 2 (Zen 5: AVX-512, 1 MiB L2 a core, 32 MiB L3, 2 vCPUs, memory read at 94-100 GB/s),
-// one B=64 decode step's LoRA, 64 tokens over 30 adapters of ranks 8/16 (benchmarks/cpu_lora_decode_bench.py
+// Whether the decode kernels take their L1 form: the shrink's prefetches into L1 rather than L2 (few_shrink's HINT),
+// rank 8's shrink two rows of A^T to a vector (few_shrink8x2, AVX-512), and, where the expand sweeps B^T's rows
+// (expand_by_rows: AMD CPUs), 8 rows at a time without asking for the next rows (few_expand_rows); no next-item asks
+// (next_item_asks). Taken on AMD Zen 5 and on Intel CPUs; the AMD CPUs before Zen 5 keep the form before it.
+// On an AMD EPYC family 26 model 2 (Zen 5: AVX-512, 1 MiB L2 a core, 32 MiB L3, 2 vCPUs, memory read at 94-100
+// GB/s), one B=64 decode step's LoRA, 64 tokens over 30 adapters of ranks 8/16 (benchmarks/cpu_lora_decode_bench.py
 // --batch 64 --adapters 30 --reps 30 --layers 30, each step's build beside the one before, paired medians of 30
 // rounds; RESULTS.md, forty-second session), ms: the asks off -0.16 and -0.24 of 7.9 (faster in 30 and 38 of 40);
 // then 8 rows a sweep without the next rows' asks -0.49 of 7.70 (27 of 30; 8 rows with the asks -0.27, 16 rows
@@ -390,18 +391,25 @@ struct NextItem {
 // before it (medians): 7.94 -> 7.34 and 7.88 -> 7.26 ms (paired -0.59, -0.60), one thread 14.38 -> 13.33, 48 / 30
 // 8.20 -> 7.16, 24 / 16 4.38 -> 3.92, 8 / 8 2.35 -> 2.00; with the step's adapters in L3 (one layer, one thread)
 // 0.35 -> 0.23.
-// LORAPLEX_SGMV_ZEN5 / _NO_ZEN5 force either (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
-bool zen5_decode() {
-#if defined(LORAPLEX_SGMV_ZEN5)
+// On an Intel Xeon (family 6 model 167, AVX-512, 2 MB L2 a core; the same bench, the form forced beside this build's
+// form before, RESULTS.md, forty-third session), with the column-chunk expand that Intel CPUs keep: 64 / 30 -0.44,
+// -0.63, -0.47 and -0.44 ms of 19.4-22.3 (faster in 21, 27, 23 and 22 of 30 rounds), one thread -1.89 of 40.4 (30 of
+// 30), 48 / 30 -0.19, 24 / 16 -0.09, 8 / 8 -0.13. The prefetches into L1 alone measured -0.43, rank 8 in pairs alone
+// -0.26; with the row sweep the form lost (+0.33).
+// LORAPLEX_SGMV_L1_FORM / _NO_L1_FORM force either (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
+bool l1_decode() {
+#if defined(LORAPLEX_SGMV_L1_FORM)
   return true;
-#elif defined(LORAPLEX_SGMV_NO_ZEN5)
+#elif defined(LORAPLEX_SGMV_NO_L1_FORM)
   return false;
+#elif defined(__x86_64__) || defined(__i386__)
+  return cpu_family::zen5() || !cpu_family::amd();
 #else
-  return cpu_family::zen5();
+  return false;  // measured on x86 CPUs only
 #endif
 }
 
-// Whether the decode items ask for the next item's bytes (NextItem): on AMD CPUs before Zen 5 (zen5_decode), not on the
+// Whether the decode items ask for the next item's bytes (NextItem): on AMD CPUs before Zen 5 (l1_decode), not on the
 // others. On an Intel Xeon (family 6 model 167, AVX-512, 2 MB L2 a core; benchmarks/cpu_lora_decode_bench.py with the
 // build without the asks beside this one, alternating in one process, paired medians of 30 rounds, RESULTS.md,
 // thirty-eighth session) the asks cost 64 tokens over 30 adapters +1.76 ms of 21.9 (slower in 27 of 30 rounds), one
@@ -416,7 +424,7 @@ bool next_item_asks() {
 #elif defined(LORAPLEX_SGMV_NO_NEXT_ITEM)
   return false;
 #elif defined(__x86_64__) || defined(__i386__)
-  return cpu_family::amd() && !zen5_decode();
+  return cpu_family::amd() && !l1_decode();
 #else
   return true;  // measured on x86 CPUs only: as it was before the Intel runs
 #endif
@@ -440,7 +448,7 @@ inline void ask_lead(const Pages& pg, int64_t a_elem, int64_t n) {
 constexpr int FEW_ACC = VEC == 16 ? 16 : 8;
 
 // The NV vectors of type T of one row of A^T (R = NV * lanes floats) for NT tokens, P phases; HINT the
-// prefetches' locality: 2 into L2, 3 into L1 (the Zen 5 form: zen5_decode).
+// prefetches' locality: 2 into L2, 3 into L1 (the L1 form: l1_decode).
 template <int NT, int NV, typename T, int HINT>
 inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, int64_t a_elem, int64_t in,
                        float scale, float (*__restrict s)[MAX_RANK], NextItem& next) {
@@ -501,7 +509,7 @@ inline void few_shrink(const float* __restrict x, int64_t xs, const Pages& pg, i
 }
 
 #if defined(__AVX512F__)
-// The rank-8 shrink of the Zen 5 form (zen5_decode): two rows of A^T (16 floats) to a vector, multiplied by the
+// The rank-8 shrink of the L1 form (l1_decode): two rows of A^T (16 floats) to a vector, multiplied by the
 // token's x at those two rows (16 floats of x permuted, 8 copies of each of two), so that half as many FMAs run as
 // with a row to an 8-float vector; the sums of the two halves are added at the end. Prefetches as few_shrink's,
 // into L1.
@@ -688,16 +696,16 @@ inline int few_nw(int64_t d) {
   return 1;
 }
 
-// Z5: the Zen 5 form (zen5_decode).
-template <int NT, bool Z5>
+// L1F: the L1 form (l1_decode).
+template <int NT, bool L1F>
 void few_block_n(float* y, int64_t ys, const float* x, int64_t xs, const Pages& pg, int64_t a_elem, int64_t b_elem,
                  int rank, int64_t in, int64_t out, int64_t d, float scale, NextItem& next) {
-  constexpr int H = Z5 ? 3 : 2;
+  constexpr int H = L1F ? 3 : 2;
   alignas(64) float s[NT][MAX_RANK];
   switch (rank) {
     case 8:
 #if defined(__AVX512F__)
-      if constexpr (Z5) {
+      if constexpr (L1F) {
         few_shrink8x2<NT>(x, xs, pg, a_elem, in, scale, s);
         break;
       }
@@ -714,7 +722,7 @@ void few_block_n(float* y, int64_t ys, const float* x, int64_t xs, const Pages& 
   }
   const std::vector<const float*> rows = b_rows(pg, b_elem, rank * out / d, d);
   if (expand_by_rows()) {
-    if constexpr (Z5)
+    if constexpr (L1F)
       few_expand_rows<NT, 8, false>(y, ys, s, rows.data(), rank, out, d, next);
     else
       few_expand_rows<NT, 4, true>(y, ys, s, rows.data(), rank, out, d, next);
@@ -736,7 +744,7 @@ bool few_ok(int64_t nt, int64_t rank, int64_t d) {
 
 void few_block(float* y, int64_t ys, const float* x, int64_t xs, int nt, const Pages& pg, int64_t a_elem,
                int64_t b_elem, int rank, int64_t in, int64_t out, int64_t d, float scale, NextItem& next) {
-  if (zen5_decode()) {
+  if (l1_decode()) {
     switch (nt) {
       case 1: few_block_n<1, true>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
       case 2: few_block_n<2, true>(y, ys, x, xs, pg, a_elem, b_elem, rank, in, out, d, scale, next); break;
@@ -935,7 +943,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "blocked path (else they are left to the caller)");
   m.def("next_item_asks", &next_item_asks, "whether this build's decode items ask for the next item's bytes "
         "(NextItem)");
-  m.def("zen5_decode", &zen5_decode, "whether this build's decode kernels take their AMD Zen 5 form");
+  m.def("l1_decode", &l1_decode, "whether this build's decode kernels take their L1 form");
   m.def("expand_by_rows", &expand_by_rows, "whether this build's decode expand sweeps B^T's rows (else column "
         "chunks down them)");
 }

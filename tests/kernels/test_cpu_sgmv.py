@@ -145,29 +145,29 @@ def test_other_expand_build_decode_items(ext_other_expand, spec):
 
 
 @pytest.fixture(scope="module")
-def ext_other_zen5():
-    """The kernel built with the decode kernels' form this CPU's build does not take (zen5_decode: the AMD Zen 5 form
-    there, the form before it elsewhere), so that each machine checks both."""
+def ext_other_l1_form():
+    """The kernel built with the decode kernels' form this CPU's build does not take (l1_decode: the L1 form on AMD
+    Zen 5 and Intel CPUs, the form before it on the AMD CPUs before Zen 5), so that each machine checks both."""
     ext = load_extension("cpu_sgmv")
-    force = "NO_ZEN5" if ext.zen5_decode() else "ZEN5"
+    force = "NO_L1_FORM" if ext.l1_decode() else "L1_FORM"
     src = Path(cpu_sgmv.__file__).with_name("cpu_sgmv.cpp")
     other = cpu_build.compile_source(src, f"test_{force.lower()}_cpu_sgmv", extra_cflags=[f"-DLORAPLEX_SGMV_{force}"])
-    assert other.zen5_decode() != ext.zen5_decode()
+    assert other.l1_decode() != ext.l1_decode()
     return other
 
 
 @FAST
 @given(spec=sgmv_specs(d_choices=(16, 32, 64), max_requests=24, max_len=6, rank_choices=(8, 16, 32, 64)))
-def test_other_zen5_form_decode_items(ext_other_zen5, spec):
-    _check(spec, column_slice=True, ext=ext_other_zen5)
+def test_other_l1_form_decode_items(ext_other_l1_form, spec):
+    _check(spec, column_slice=True, ext=ext_other_l1_form)
 
 
 @pytest.mark.parametrize(("d", "rows_per_page"), [(32, 2), (32, 6), (32, 10), (64, 6)])
 @pytest.mark.parametrize("form", ["this", "other"])
 def test_rank_8_items_across_pages(request, form, d, rows_per_page):
-    # The Zen 5 form's rank-8 shrink takes A^T 16 rows at a time and a page's last rows one at a time: pages of 8,
+    # The L1 form's rank-8 shrink takes A^T 16 rows at a time and a page's last rows one at a time: pages of 8,
     # 24, 40 and 48 rows of rank 8 cut A^T's 9 * D rows into runs that end mid-block, for items of 1-4 tokens.
-    ext = None if form == "this" else request.getfixturevalue("ext_other_zen5")
+    ext = None if form == "this" else request.getfixturevalue("ext_other_l1_form")
     for seed in range(3):
         spec = SgmvSpec(d=d, rows_per_page=rows_per_page, in_features=9 * d, out_features=3 * d, layer=seed % 2,
                         module=0, ranks=(8, 8, 8, 8), present=(True,) * 4, req_lens=(1, 2, 3, 4),
