@@ -672,7 +672,9 @@ inline void few_expand_rows(float* __restrict y, int64_t ys, const float (*__res
 // (benchmarks/cpu_lora_decode_bench.py --ranks 8 16, builds alternating in one process, 25th-percentile
 // ms, AMD EPYC Zen 5, 2 threads; RESULTS.md, twenty-ninth session): 48 tokens over 30 adapters 12.34 ->
 // 11.78, 64 / 30 12.57 -> 11.94, 12 / 9 3.41 -> 3.14, 5 / 4 1.41 -> 1.33. Intel Xeons keep the column
-// chunks, measured there at 21-22 GB/s (eighth session); the row sweep was not measured on one.
+// chunks, measured there at 21-22 GB/s (eighth session); on one (family 6 model 167, 64 / 30, paired medians of 30
+// rounds) the row sweep measured the same as them in the thirty-eighth session (21.94 against 21.89 ms), and in the
+// forty-third +0.16 ms with the form before the L1 form and +0.80 with the L1 form (l1_decode).
 // LORAPLEX_SGMV_EXPAND_ROWS / _COLUMNS force one (tests/kernels/test_cpu_sgmv.py builds the one not chosen here).
 bool expand_by_rows() {
 #if defined(LORAPLEX_SGMV_EXPAND_ROWS)
