@@ -379,7 +379,8 @@ struct NextItem {
 // Whether the decode kernels take their L1 form: the shrink's prefetches into L1 rather than L2 (few_shrink's HINT),
 // rank 8's shrink two rows of A^T to a vector (few_shrink8x2, AVX-512), and, where the expand sweeps B^T's rows
 // (expand_by_rows: AMD CPUs), 8 rows at a time without asking for the next rows (few_expand_rows); no next-item asks
-// (next_item_asks). Taken on AMD Zen 5 and on Intel CPUs; the AMD CPUs before Zen 5 keep the form before it.
+// (next_item_asks). Taken on AMD Zen 5 and on Intel CPUs (AVX-512 builds); the AMD CPUs before Zen 5 keep the form
+// before it.
 // On an AMD EPYC family 26 model 2 (Zen 5: AVX-512, 1 MiB L2 a core, 32 MiB L3, 2 vCPUs, memory read at 94-100
 // GB/s), one B=64 decode step's LoRA, 64 tokens over 30 adapters of ranks 8/16 (benchmarks/cpu_lora_decode_bench.py
 // --batch 64 --adapters 30 --reps 30 --layers 30, each step's build beside the one before, paired medians of 30
@@ -402,10 +403,10 @@ bool l1_decode() {
   return true;
 #elif defined(LORAPLEX_SGMV_NO_L1_FORM)
   return false;
-#elif defined(__x86_64__) || defined(__i386__)
+#elif defined(__AVX512F__)
   return cpu_family::zen5() || !cpu_family::amd();
 #else
-  return false;  // measured on x86 CPUs only
+  return cpu_family::zen5();  // Intel's figures are of AVX-512 builds; off x86 false
 #endif
 }
 
