@@ -12,7 +12,7 @@ packed ahead of time (packed_rows.py) is placed by copying its rows into its pag
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +31,7 @@ class AdapterPlan:
     """Everything about an adapter's placement that does not depend on which pages it gets."""
 
     slots: dict[tuple[int, int], ModuleSlot]
-    modules: tuple[LoraModuleWeights, ...]  # in packing order, aligned with slots' insertion order
+    modules: Sequence[LoraModuleWeights]  # in packing order, aligned with slots' insertion order
     num_rows: int
     num_pages: int
     max_rank: int

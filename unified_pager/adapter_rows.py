@@ -43,7 +43,7 @@ class RowAssignment(NamedTuple):
     """Logical rows of each (layer, module) of an adapter, and the per-slot tables the kernels read."""
 
     slots: dict[tuple[int, int], ModuleSlot]
-    modules: tuple[LoraModuleWeights, ...]  # in packing order, aligned with slots' insertion order
+    modules: Sequence[LoraModuleWeights]  # in packing order, aligned with slots' insertion order
     num_rows: int
     max_rank: int
     layout: np.ndarray  # [L, 7, 3] int32: rank (0 = absent), a_row, b_row

@@ -35,11 +35,12 @@ from loraplex.errors import AdapterError, ConfigError
 from loraplex.lora.peft_config import llama_module_name
 from loraplex.lora.peft_loader import CONFIG_FILE, WEIGHTS_FILE, parse_weights_key
 from loraplex.lora.safetensors_views import DTYPES, read_exact
-from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
+from loraplex.lora.types import TARGET_MODULES, LoraAdapter
 from loraplex.models.config import ModelConfig
 
 from .adapter_rows import _EXPONENT_MASK, ModuleSlot, RowAssignment
 from .geometry import RowLayout
+from .packed_views import PackedModuleViews
 
 # (layer, module name, "lora_A" | "lora_B") -> (dtype, first byte in the data section, shape)
 Matrices = Mapping[tuple[int, str, str], tuple[torch.dtype, int, tuple[int, ...]]]
@@ -83,8 +84,8 @@ class PackPlan:
         ext = load_extension("cpu_pack")
         if ext is None:
             return None
-        d = self.layout.row_width
-        rows = torch.empty(self.assignment.num_rows, d, dtype=self.layout.dtype, pin_memory=pin_memory)  # [R, D]
+        rows = torch.empty(self.assignment.num_rows, self.layout.row_width, dtype=self.layout.dtype,
+                           pin_memory=pin_memory)  # [R, D]
         bad = copy_rows(ext, rows)
         if bad < -1:
             return None
@@ -92,12 +93,9 @@ class PackPlan:
             s = self.slots[bad // 2]
             raise AdapterError(f"adapter {name!r}: {llama_module_name(s.layer, TARGET_MODULES[s.module])} "
                                f"{('lora_A', 'lora_B')[bad % 2]} contains NaN or Inf values")
-        # The views pack_adapter makes (A [rank, in] over A^T's rows, b [out, rank] over B^T's), one op each.
-        modules = tuple(
-            LoraModuleWeights(s.layer, TARGET_MODULES[s.module], s.rank, s.scale,
-                              rows.as_strided((s.rank, s.in_features), (1, s.rank), s.a_row * d),
-                              rows.as_strided((s.out_features, s.rank), (1, s.out_features), s.b_row * d))
-            for s in self.slots)
+        # The views pack_adapter makes (A [rank, in] over A^T's rows, b [out, rank] over B^T's), made when first
+        # read: placing the adapter copies its rows and reads none of them (packed_views.py).
+        modules = PackedModuleViews(rows, self.slots)
         from .packed_rows import PackedRows  # packed_rows imports this module
 
         packed = PackedRows(self.layout, rows, modules, self.assignment._replace(modules=modules))

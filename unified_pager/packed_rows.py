@@ -15,6 +15,7 @@ with another layout ignores the packed rows and packs the modules itself, as for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class PackedRows:
 
     layout: RowLayout
     rows: torch.Tensor  # [num_rows, D] host, layout.dtype: A then B^T of each module, packing order
-    modules: tuple[LoraModuleWeights, ...]  # the adapter's modules (its order); a/b are views of rows
+    modules: Sequence[LoraModuleWeights]  # the adapter's modules (its order); a/b are views of rows
     assignment: RowAssignment  # checked against layout; its modules are these, in packing order
 
     @property

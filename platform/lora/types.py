@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,9 @@ class LoraAdapter:
     """A validated adapter, held on the host, ready to be placed in the page pool."""
 
     name: str
-    modules: tuple[LoraModuleWeights, ...]  # sorted by (layer, MODULE_INDEX[module])
+    # sorted by (layer, MODULE_INDEX[module]); a tuple, or for an adapter packed by a plan the views of its packed
+    # rows, made when first read (unified_pager.packed_views)
+    modules: Sequence[LoraModuleWeights]
     max_rank: int
     source: str = ""  # where it was read from, for messages
     config: dict = field(default_factory=dict, compare=False, repr=False)  # the raw adapter_config.json
