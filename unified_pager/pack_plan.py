@@ -12,6 +12,8 @@ C++ call (kernels/cpu_pack.cpp): a stored blob, already fetched whole, straight 
 (transpose_from_buffer); a folder's file read by the packing threads, each matrix into a buffer that
 stays in cache until transposed (transpose_from_file). Only the values differ between such files, and
 every one of them is still checked for NaN and Inf, on the packing copy, as load_packed_folder does.
+The packed adapter's module views are made when first read (packed_views.py): placing it in the pool
+reads none of them.
 
 A plan holds for one base model, rank limit and row layout (the checks' other inputs): PackPlans is
 made for one and refuses to serve another. Files whose tensors need a cast (another dtype than the
