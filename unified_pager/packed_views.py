@@ -77,5 +77,9 @@ class PackedModuleViews(Sequence[LoraModuleWeights]):
     def __hash__(self) -> int:
         return hash(self._all())
 
+    def __reduce__(self):
+        # Pickled and copied as the tuple of its modules (the lock does not travel).
+        return (tuple, (self._all(),))
+
     def __repr__(self) -> str:
         return f"PackedModuleViews({len(self._slots)} modules, {'made' if self.made else 'not made yet'})"

@@ -3,6 +3,8 @@ adapter in the pool, made once when first read, and then the views the full path
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 
 import pytest
@@ -81,3 +83,14 @@ def test_the_views_compare_and_hash_as_the_tuple_of_their_modules(tmp_path):
     assert a1.modules == as_tuple and as_tuple == a1.modules and hash(a1.modules) == hash(as_tuple)
     assert a1.modules == a1.modules and a1.modules[1:3] == as_tuple[1:3]
     assert hash(a1.modules) != hash(a2.modules)  # other tensors (LoraModuleWeights hash their tensors by identity)
+
+
+def test_an_adapter_with_views_copies_and_pickles_with_tuples(tmp_path):
+    (_, adapter), _ = _planned(tmp_path)
+    copied = copy.deepcopy(adapter)
+    assert isinstance(copied.modules, tuple) and copied.packed is not None  # one copy serves both references
+    assert copied.packed.modules is copied.modules
+    back = pickle.loads(pickle.dumps(adapter.modules))
+    assert isinstance(back, tuple) and len(back) == len(adapter.modules)
+    for got, want in zip(back, adapter.modules, strict=True):
+        assert got.module == want.module and torch.equal(got.a, want.a) and torch.equal(got.b, want.b)
