@@ -23,9 +23,18 @@ from loraplex.lora.types import TARGET_MODULES, LoraModuleWeights
 from .adapter_rows import ModuleSlot
 
 
+def slot_module(rows: torch.Tensor, s: ModuleSlot) -> LoraModuleWeights:
+    """Slot s's module over the packed rows [R, D]: a [rank, in] a view of its A^T rows, b [out, rank] (PEFT's
+    lora_B) a view of its B^T rows. The constructor, not dataclasses.replace: a third of the cost for 210 modules."""
+    d = rows.shape[1]
+    return LoraModuleWeights(s.layer, TARGET_MODULES[s.module], s.rank, s.scale,
+                             rows.as_strided((s.rank, s.in_features), (1, s.rank), s.a_row * d),
+                             rows.as_strided((s.out_features, s.rank), (1, s.out_features), s.b_row * d))
+
+
 class PackedModuleViews(Sequence[LoraModuleWeights]):
     """slots' modules (packing order) over rows [R, D]: module i's a [rank, in] is a view of its A^T rows and b
-    [out, rank] of its B^T rows, as pack_adapter makes them. Compares and hashes as the tuple of its modules."""
+    [out, rank] of its B^T rows (slot_module, as pack_adapter makes them). Compares and hashes as the tuple of its modules."""
 
     __slots__ = ("_rows", "_slots", "_modules", "_lock")
 
@@ -41,12 +50,7 @@ class PackedModuleViews(Sequence[LoraModuleWeights]):
             return made
         with self._lock:
             if self._modules is None:
-                rows, d = self._rows, self._rows.shape[1]
-                self._modules = tuple(
-                    LoraModuleWeights(s.layer, TARGET_MODULES[s.module], s.rank, s.scale,
-                                      rows.as_strided((s.rank, s.in_features), (1, s.rank), s.a_row * d),
-                                      rows.as_strided((s.out_features, s.rank), (1, s.out_features), s.b_row * d))
-                    for s in self._slots)
+                self._modules = tuple(slot_module(self._rows, s) for s in self._slots)
             return self._modules
 
     @property
