@@ -48,13 +48,7 @@ def make_step(seqs: list[tuple[int, int]], layers: int, gen: torch.Generator
     per_layer = sum(nbs)
     pages = per_layer * layers
     kv_pool = torch.randn(pages, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    tables = torch.zeros(layers, len(seqs), max(nbs), dtype=torch.int32)
-    perm = torch.randperm(pages, generator=gen).to(torch.int32)
-    at = 0
-    for layer in range(layers):
-        for s, nb in enumerate(nbs):
-            tables[layer, s, :nb] = perm[at : at + nb]
-            at += nb
+    tables = layout_tables(nbs, layers, "scattered", gen)
     positions = torch.cat([torch.arange(c, c + q) for c, q in seqs])
     seq_of = torch.cat([torch.full((q,), s) for s, (_, q) in enumerate(seqs)])
     qs = [0]
@@ -74,6 +68,32 @@ def make_step(seqs: list[tuple[int, int]], layers: int, gen: torch.Generator
     t = positions.numel()
     fused = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM, generator=gen)
     return kv_pool, meta, fused[:, :HEADS]
+
+
+LAYOUTS = ("scattered", "block-major", "layer-major")
+
+
+def layout_tables(nbs: list[int], layers: int, layout: str, gen: torch.Generator) -> torch.Tensor:
+    """[layers, S, max(nbs)] int32 block tables over sum(nbs) * layers pages. scattered: every page at random
+    (a pool after much churn); block-major: a sequence's pages one run, a block's layers adjacent (the pager's
+    layout before the forty-fifth session); layer-major: a sequence's pages one run, a layer's blocks adjacent
+    (the pager's layout for the blocks one allocation takes)."""
+    pages = sum(nbs) * layers
+    tables = torch.zeros(layers, len(nbs), max(nbs), dtype=torch.int32)
+    perm = torch.randperm(pages, generator=gen).to(torch.int32)
+    at = 0
+    for s, nb in enumerate(nbs):
+        for layer in range(layers):
+            if layout == "scattered":
+                tables[layer, s, :nb] = perm[at + layer * nb : at + (layer + 1) * nb]
+            elif layout == "block-major":
+                tables[layer, s, :nb] = torch.arange(nb, dtype=torch.int32) * layers + at + layer
+            elif layout == "layer-major":
+                tables[layer, s, :nb] = torch.arange(nb, dtype=torch.int32) + at + layer * nb
+            else:
+                raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        at += nb * layers
+    return tables
 
 
 def layers_for(seqs: list[tuple[int, int]]) -> int:
@@ -137,6 +157,31 @@ def bench_case(name: str, seqs: list[tuple[int, int]], reps: int, gen: torch.Gen
     return res
 
 
+def layout_case(name: str, seqs: list[tuple[int, int]], reps: int, gen: torch.Generator) -> dict:
+    """The kernel over the same K/V with each of LAYOUTS' block tables, alternating rep by rep."""
+    layers = layers_for(seqs)
+    kv_pool, meta, q = make_step(seqs, layers, gen)
+    nbs = [-(-(c + n) // BLOCK) for c, n in seqs]
+    scale = HEAD_DIM**-0.5
+    ext = cpu_attention.extension()
+    tiles = cpu_attention.kernel_tiles(meta, HEADS // KV_HEADS)
+    fns = {}
+    for layout in LAYOUTS:
+        tables = layout_tables(nbs, layers, layout, gen)
+
+        def run(layer: int, tables: torch.Tensor = tables) -> torch.Tensor:
+            out = torch.empty(q.shape)
+            ext.paged_attention(out, q, kv_pool, tables[layer], tiles, scale)
+            return out
+
+        fns[layout] = run
+    res = {"case": name, "seqs": len(seqs), "layers_cycled": layers, "kv_mib_per_call": kv_bytes(seqs) / 2**20,
+           "layouts": time_per_call(fns, layers, reps)}
+    for r in res["layouts"].values():
+        r["kv_gbps"] = kv_bytes(seqs) / (r["median_ms"] * 1e-3) / 1e9
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -146,6 +191,8 @@ def main() -> None:
     ap.add_argument("--no-prefill", action="store_true", help="decode cases only")
     ap.add_argument("--baseline-source", type=Path, default=None,
                     help="an earlier cpu_attention.cpp, timed alternating with the current kernel")
+    ap.add_argument("--layouts", action="store_true",
+                    help="instead: the decode cases over each block-table layout (scattered, block-major, layer-major)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_attention.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -164,6 +211,19 @@ def main() -> None:
             ("prefill 8x32 ctx=96", [(96, 32)] * 8),
             (f"mixed {args.batch - 1} decode ctx=128 + 1x256", [(127, 1)] * (args.batch - 1) + [(0, 256)]),
         ]
+    if args.layouts:
+        roof = measure_roofline()
+        results = [layout_case(name, seqs, args.reps, gen) for name, seqs in cases if name.startswith("decode")]
+        report = {"threads": args.threads, "roofline": roof.as_dict(), "layout_cases": results}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"threads {args.threads}; streaming read {roof.read_gbps:.1f} GB/s")
+        print(f"{'case':<28} " + " ".join(f"{lay + ' ms':>15} {'GB/s':>6}" for lay in LAYOUTS))
+        for r in results:
+            print(f"{r['case']:<28} " + " ".join(f"{r['layouts'][lay]['median_ms']:15.3f} {r['layouts'][lay]['kv_gbps']:6.1f}"
+                                                 for lay in LAYOUTS))
+        print(f"wrote {args.out}")
+        return
     baseline = cpu_build.compile_source(args.baseline_source, "baseline_cpu_attention") if args.baseline_source else None
     roof = measure_roofline()
     results = [bench_case(name, seqs, args.reps, gen, baseline) for name, seqs in cases]

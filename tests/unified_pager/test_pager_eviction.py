@@ -156,6 +156,28 @@ def test_kv_allocation_adds_only_missing_blocks_and_never_shrinks():
     pager.check_integrity()
 
 
+def test_blocks_taken_together_lie_in_adjacent_pages_per_layer():
+    # Attention reads one layer's blocks of a sequence in turn: the blocks a chunk takes together are laid
+    # out layer-major, so on a fresh pool each layer's new blocks are one run of pages.
+    pager = small_pager(60)
+    bs = pager.geometry.block_size
+    n = 4
+    assert pager.allocate_kv("s", n * bs)
+    tables = pager.block_tables(["s"])[:, 0]  # [L, n]
+    assert sorted(tables.flatten().tolist()) == list(range(n * L))
+    for layer in range(L):
+        first = int(tables[layer, 0])
+        assert tables[layer].tolist() == list(range(first, first + n))
+    # A later growth of two blocks: each layer's two new blocks adjacent again, the old blocks unmoved.
+    assert pager.allocate_kv("s", (n + 2) * bs)
+    grown = pager.block_tables(["s"])[:, 0]
+    assert torch.equal(grown[:, :n], tables)
+    for layer in range(L):
+        assert int(grown[layer, n + 1]) == int(grown[layer, n]) + 1
+    pager.free_kv("s")
+    pager.check_integrity()
+
+
 def test_integrity_check_catches_corruption():
     rng = random.Random()
 
