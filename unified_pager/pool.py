@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .geometry import PoolGeometry
-from .huge_pages import advise_huge_pages
+from .huge_pages import advise_huge_pages, huge_page_buffer
 
 # Page kinds in PagePool.kind.
 FREE = 0
@@ -34,8 +34,12 @@ class PagePool:
         self.device = torch.device(device)
         # Zeroed, not empty: attention over a partly filled block multiplies unused slots by a zero
         # weight, and 0 * NaN from uninitialised memory would still poison the output. Advised to
-        # use huge pages before the zeroing touches it (huge_pages.py).
-        self.tensor = torch.empty(geometry.num_pages, geometry.page_elems, dtype=geometry.dtype, device=self.device)
+        # use huge pages before the zeroing touches it (huge_pages.py), on a mapping of its own there.
+        shape = (geometry.num_pages, geometry.page_elems)
+        if self.device.type == "cpu":
+            self.tensor = huge_page_buffer(shape[0] * shape[1], geometry.dtype).view(shape)
+        else:
+            self.tensor = torch.empty(shape, dtype=geometry.dtype, device=self.device)
         self.huge_pages = advise_huge_pages(self.tensor)
         self.tensor.zero_()
         n = geometry.num_pages

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loraplex.engine.host_memory import retain_freed_memory
 from loraplex.unified_pager.huge_pages import HUGE_PAGE, advise_huge_pages, huge_page_buffer
 from loraplex.unified_pager.pool import PagePool
 from pager_testkit import TINY, geometry_with_pages
@@ -37,6 +38,16 @@ def _huge_kib_of(ptr: int) -> int:
     return 0
 
 
+def _mapping_name(ptr: int) -> str | None:
+    """The name /proc/self/maps gives the mapping that holds address ptr ("" for an anonymous one)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= ptr < hi:
+            return fields[5].strip() if len(fields) > 5 else ""
+    return None
+
+
 def test_small_tensors_and_other_devices_are_left_alone():
     assert advise_huge_pages(torch.empty(1024)) is False  # under one aligned 2 MiB page
     if torch.cuda.is_available():
@@ -46,10 +57,27 @@ def test_small_tensors_and_other_devices_are_left_alone():
 @pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() in (None, "never"),
                     reason="transparent huge pages are not available here")
 def test_advised_memory_is_backed_by_huge_pages_once_touched():
-    t = torch.empty(64 * HUGE_PAGE // 4, dtype=torch.float32)  # 64 MiB
+    # 64 MiB on a mapping of its own, so untouched: torch.empty may hand out heap memory that earlier tests
+    # touched and freed (engine/host_memory.py keeps it in the process), which the advice does not turn huge.
+    mapping = mmap.mmap(-1, 64 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(mapping, dtype=torch.float32)
     assert advise_huge_pages(t)
     t.zero_()
     assert _huge_kib_of(t.data_ptr() + 32 * HUGE_PAGE) > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the mapping of its own is Linux's")
+def test_huge_page_buffer_does_not_reuse_memory_the_process_freed():
+    # What an engine's process may hold: freed, touched memory kept in glibc's heap (host_memory.py's thresholds).
+    retain_freed_memory()
+    for mib in (48, 40, 64):
+        t = torch.ones(mib << 18)
+        del t
+    buf = huge_page_buffer(20 * HUGE_PAGE // 4 + 123, torch.float32)
+    assert buf.data_ptr() % HUGE_PAGE == 0 and _mapping_name(buf.data_ptr()) == ""  # anonymous, not [heap]
+    assert torch.count_nonzero(buf) == 0
+    pool = PagePool(geometry_with_pages(TINY, 4096))
+    assert _mapping_name(pool.tensor.data_ptr()) == ""
 
 
 def _kernel_gives_huge_pages() -> bool:
