@@ -34,6 +34,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_lora_rank: int = 256
     block_size: int = 16  # tokens per KV block (one pool page per layer per block)
+    # KV a sequence takes beyond its next tokens when it needs new blocks and the pool has the pages free, so
+    # that a decoding sequence's next blocks of a layer lie in adjacent pages (UnifiedPager.allocate_kv); such
+    # reserved blocks are given back first when the pool runs short. 0: blocks are taken one at a time.
+    kv_reserve_tokens: int = 64
     max_model_len: int | None = None  # None: the model's own limit
     kernels: str = "auto"  # "auto" | "torch" | "cpu" | "triton"; LORAPLEX_KERNELS sets it in from_env
     gemm: str = "auto"  # CPU float32 projections: "auto" (the first of packed, onednn, mm that runs) | "packed" | "onednn" | "mm"
@@ -49,6 +53,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_lora_rank", "block_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if int(self.kv_reserve_tokens) < 0:
+            raise ConfigError(f"kv_reserve_tokens must be at least 0, got {self.kv_reserve_tokens}")
         if self.gemm not in GEMM_CHOICES:
             raise ConfigError(f"gemm {self.gemm!r} is not one of {', '.join(GEMM_CHOICES)}")
         if self.queue_policy not in ("fcfs", "lifo", "vtc"):

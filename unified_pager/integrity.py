@@ -68,13 +68,19 @@ def check_integrity(pool: PagePool, kv: KvBlockTables, adapters: AdapterCache) -
 
     # KV: each sequence's pages, one per layer per block.
     seqs = []
+    reserved = 0
     for seq_id, s in kv.items():
         if s.table.shape[0] != g.num_layers or s.num_blocks > s.table.shape[1]:
             _fail(f"sequence {seq_id!r} has a malformed block table {s.table.shape} with {s.num_blocks} blocks")
+        if not 0 <= s.used <= s.num_blocks:
+            _fail(f"sequence {seq_id!r} uses {s.used} of its {s.num_blocks} blocks")
         seqs.append((seq_id, s.owner, s.pages()))
+        reserved += (s.num_blocks - s.used) * g.num_layers
     kv_held = _check_owned(pool, KV, seqs)
     if kv_held != kv.num_pages:
         _fail(f"KV counter says {kv.num_pages} pages, sequences hold {kv_held}")
+    if reserved != kv.reserved_pages:
+        _fail(f"KV reserve counter says {kv.reserved_pages} pages, sequences reserve {reserved}")
 
     # Adapters: pages match the residency, pins and the LRU order agree.
     held, evictable, pinned = [], 0, 0

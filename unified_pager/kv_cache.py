@@ -3,6 +3,10 @@
 A block of block_size tokens takes one page per layer. Each sequence keeps a host array
 [num_layers, capacity] int32 that grows by doubling, so appending a block is O(num_layers)
 amortised and a decode step that stays inside its last block costs a dict lookup.
+
+A sequence may hold blocks past the tokens asked for so far (UnifiedPager.allocate_kv's reserve):
+`used` counts the blocks that hold asked-for tokens, `num_blocks` all it holds; the blocks between
+are reserved, and trim() gives them back when the pool runs short.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import torch
 class SeqBlocks:
     """One sequence's page table; owner is the id its pages carry in PagePool.owner."""
 
-    __slots__ = ("owner", "table", "num_blocks")
+    __slots__ = ("owner", "table", "num_blocks", "used")
 
     def __init__(self, owner: int, num_layers: int) -> None:
         self.owner = owner
         self.table = np.zeros((num_layers, 4), dtype=np.int32)  # [L, capacity] int32
         self.num_blocks = 0
+        self.used = 0  # blocks [0, used) hold tokens asked for; [used, num_blocks) are reserved
 
     def append(self, pages: np.ndarray) -> None:
         """Add blocks; pages: [L, n] int64, column j is the new block j's page per layer."""
@@ -47,6 +52,7 @@ class KvBlockTables:
         self._seqs: dict[Hashable, SeqBlocks] = {}
         self._next_owner = 0
         self.num_pages = 0  # pages held by all sequences together
+        self.reserved_pages = 0  # of them, pages of reserved blocks (past each sequence's used ones)
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -80,6 +86,21 @@ class KvBlockTables:
         128 cached tokens 0.681 -> 0.598 ms a layer call, 512 tokens 2.652 -> 2.020."""
         seq.append(pages.reshape(self.num_layers, -1))
         self.num_pages += len(pages)
+        self.reserved_pages += len(pages)  # until use() counts them
+
+    def use(self, seq: SeqBlocks, blocks: int) -> None:
+        """Blocks [0, blocks) of seq now hold asked-for tokens (used never shrinks; blocks <= num_blocks)."""
+        if blocks > seq.used:
+            self.reserved_pages -= (blocks - seq.used) * self.num_layers
+            seq.used = blocks
+
+    def trim(self, seq: SeqBlocks) -> np.ndarray:
+        """Drop seq's reserved blocks; returns their pages ([n] int64, layer-major) for the pool to take back."""
+        pages = seq.table[:, seq.used : seq.num_blocks].astype(np.int64).ravel()
+        seq.num_blocks = seq.used
+        self.num_pages -= len(pages)
+        self.reserved_pages -= len(pages)
+        return pages
 
     def remove(self, seq_id: Hashable) -> np.ndarray | None:
         """Forget the sequence; returns its pages ([n] int64) for the pool to take back."""
@@ -88,6 +109,7 @@ class KvBlockTables:
             return None
         pages = seq.pages()
         self.num_pages -= len(pages)
+        self.reserved_pages -= (seq.num_blocks - seq.used) * self.num_layers
         return pages
 
     def block_tables(self, seq_ids: list, device: torch.device) -> torch.Tensor:

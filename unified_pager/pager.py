@@ -2,8 +2,9 @@
 
 Rules (docs/PAGE_POOL.md has the geometry and a worked example):
 - KV blocks and adapters take pages from one free list; there is no split between them.
-- When the free list is short, idle (unpinned) adapters are evicted, least recently used first,
-  and only when eviction is enough to fit the request: a request that cannot fit changes nothing.
+- When the free list is short, other sequences' reserved KV blocks (allocate_kv's reserve) are given
+  back first, then idle (unpinned) adapters are evicted, least recently used first, and only when
+  that is enough to fit the request: a request that cannot fit changes nothing.
 - Pinned adapters and other sequences' KV are never taken. Preempting a sequence is the
   scheduler's decision (it calls free_kv).
 - "Can't fit now" is a False/None result; "can never fit in this pool" is a CapacityError.
@@ -25,7 +26,7 @@ from .adapter_cache import AdapterCache
 from .adapter_pages import AdapterResidency, place_adapter, plan_adapter
 from .geometry import PoolGeometry
 from .integrity import check_integrity
-from .kv_cache import KvBlockTables
+from .kv_cache import KvBlockTables, SeqBlocks
 from .pool import ADAPTER, KV, PagePool
 
 
@@ -40,6 +41,7 @@ class PoolStats:
     pinned_adapters: int
     adapter_evictions: int
     adapter_loads: int = 0  # adapters placed in the pool since start (a reload after eviction counts again)
+    kv_reserved_pages: int = 0  # of kv_pages, those of blocks reserved past the tokens asked for
 
 
 class UnifiedPager:
@@ -60,17 +62,26 @@ class UnifiedPager:
         return num_pages <= self.geometry.num_pages
 
     def available_pages(self) -> int:
-        """Free pages plus pages that evicting every idle adapter would free."""
-        return self.pool.num_free + self._adapters.evictable_pages
+        """Free pages plus pages that giving back every reserved KV block and evicting every idle
+        adapter would free."""
+        return self.pool.num_free + self._kv.reserved_pages + self._adapters.evictable_pages
 
-    def _make_room(self, pages_needed: int) -> bool:
-        """Evict idle adapters (LRU first) until pages_needed are free; False, evicting nothing,
-        if even evicting all of them would not be enough."""
+    def _make_room(self, pages_needed: int, keep: SeqBlocks | None = None) -> bool:
+        """Give back reserved KV blocks (but keep's), then evict idle adapters (LRU first), until
+        pages_needed are free; False, changing nothing, if even all of that would not be enough."""
         shortfall = pages_needed - self.pool.num_free
         if shortfall <= 0:
             return True
-        if shortfall > self._adapters.evictable_pages:
+        own = (keep.num_blocks - keep.used) * self.geometry.num_layers if keep is not None else 0
+        if shortfall > self._kv.reserved_pages - own + self._adapters.evictable_pages:
             return False
+        if self._kv.reserved_pages > own:
+            for _, seq in self._kv.items():
+                if seq.num_blocks > seq.used and seq is not keep:
+                    self.pool.release(self._kv.trim(seq))
+                    shortfall = pages_needed - self.pool.num_free
+                    if shortfall <= 0:
+                        return True
         for key in self._adapters.victims(shortfall):
             self.pool.release(self._adapters.remove(key))
             self._adapters.evictions += 1
@@ -78,17 +89,29 @@ class UnifiedPager:
 
     # -- KV ----------------------------------------------------------------------------------
 
-    def allocate_kv(self, seq_id: Hashable, num_tokens: int) -> bool:
+    def allocate_kv(self, seq_id: Hashable, num_tokens: int, reserve_tokens: int = 0) -> bool:
         """Make seq_id's blocks hold num_tokens tokens in all (never shrinks). All or nothing:
-        False, with nothing changed, when the pages cannot be found even by evicting idle adapters."""
+        False, with nothing changed, when the pages cannot be found even by giving back other
+        sequences' reserved blocks and evicting idle adapters.
+
+        reserve_tokens: when the sequence needs new blocks and the free list has the pages for this
+        many tokens more as well, take those blocks too, in the same allocation. The blocks one
+        allocation takes lie layer by layer in adjacent pages (kv_cache.grow), so a decoding sequence
+        that reserves reads its next blocks of a layer as one run of memory, where blocks taken one at
+        a time lie one page every few hundred. Reserved blocks are the sequence's until its tokens reach
+        them, and the first pages given back when the pool runs short (never by evicting for them)."""
+        if reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
         seq = self._kv.get(seq_id)
         have = seq.num_blocks if seq is not None else 0
         bs = self.geometry.block_size
-        if num_tokens <= have * bs:  # the decode fast path: still inside the last block
+        if num_tokens <= have * bs:  # the decode fast path: inside the blocks held
             if num_tokens < 0:
                 raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
             if seq is None:
                 self._kv.add(seq_id)
+            elif num_tokens > seq.used * bs:  # into a reserved block
+                self._kv.use(seq, -(-num_tokens // bs))
             return True
         need_blocks = -(-num_tokens // bs)
         layers = self.geometry.num_layers
@@ -98,11 +121,17 @@ class UnifiedPager:
                 f"({need_blocks} blocks x {layers} layers); the pool has {self.geometry.num_pages}"
             )
         pages_needed = (need_blocks - have) * layers
-        if not self._make_room(pages_needed):
+        want_blocks = min(-(-(num_tokens + reserve_tokens) // bs), self.geometry.num_pages // layers)
+        if want_blocks > need_blocks and self.pool.num_free >= (want_blocks - have) * layers:
+            pages = (want_blocks - have) * layers
+        elif self._make_room(pages_needed, keep=seq):
+            pages = pages_needed
+        else:
             return False
         if seq is None:
             seq = self._kv.add(seq_id)
-        self._kv.grow(seq, self.pool.take(pages_needed, KV, seq.owner))
+        self._kv.grow(seq, self.pool.take(pages, KV, seq.owner))
+        self._kv.use(seq, need_blocks)
         return True
 
     def free_kv(self, seq_id: Hashable) -> None:
@@ -196,6 +225,7 @@ class UnifiedPager:
             pinned_adapters=self._adapters.num_pinned,
             adapter_evictions=self._adapters.evictions,
             adapter_loads=self._adapters.next_owner(),  # every placement takes the next owner id
+            kv_reserved_pages=self._kv.reserved_pages,
         )
 
     def check_integrity(self) -> None:

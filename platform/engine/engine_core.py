@@ -70,7 +70,7 @@ class EngineCore:
         # rank-16 default-model load on the tenth session's AMD EPYC.
         self.pack_plans = PackPlans(self.model_config, config.max_lora_rank, geometry.row_layout)
         self.scheduler = Scheduler(self.pager, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
-                                   make_queue_policy(config.queue_policy))
+                                   make_queue_policy(config.queue_policy), config.kv_reserve_tokens)
         self.ops = select_kernels(device, config.kernels)
         self.runner = ModelRunner(self.model, self.pager, self.ops, Sampler())
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)

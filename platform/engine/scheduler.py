@@ -50,8 +50,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pager: UnifiedPager, adapters: AdapterTable, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: QueuePolicy | None = None):
+                 policy: QueuePolicy | None = None, kv_reserve_tokens: int = 0):
         self.pager = pager
+        self.kv_reserve_tokens = kv_reserve_tokens  # EngineConfig.kv_reserve_tokens
         self.policy = policy if policy is not None else Fcfs()
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
@@ -147,10 +148,10 @@ class Scheduler:
                     continue
                 self.pager.pin(key)  # before KV allocation, which may evict idle adapters
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            fits = self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n)
+            fits = self._allocate(req, n)
             while not fits and self._make_room(req, started, chunks, preempted, held):
                 started -= 1
-                fits = self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n)
+                fits = self._allocate(req, n)
             if not fits:
                 if key is not None:
                     self.pager.unpin(key)
@@ -186,7 +187,7 @@ class Scheduler:
             if self.policy.holds(req, prompt_tenants):
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.pager.allocate_kv(req.request_id, req.num_computed_tokens + n):
+            while not self._allocate(req, n):
                 victim = self.policy.victim(self.running)
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -200,6 +201,14 @@ class Scheduler:
                 if prompt:
                     prompt_tenants.add(req.tenant)
         return budget
+
+    def _allocate(self, req: Request, n: int) -> bool:
+        """KV for req's next n tokens, with up to kv_reserve_tokens more reserved where the pool has them free
+        (never past the last token whose KV the request can write: its prompt and max_tokens outputs, less the
+        last output, which is sampled, not fed back)."""
+        upto = req.num_computed_tokens + n
+        last = min(len(req.prompt_token_ids) + req.params.max_tokens, req.max_total_tokens) - 1
+        return self.pager.allocate_kv(req.request_id, upto, max(0, min(self.kv_reserve_tokens, last - upto)))
 
     def _make_room(self, req: Request, started: int, chunks: list[ScheduledChunk], preempted: list[str],
                    held: dict) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from loraplex.lora.types import TARGET_MODULES, LoraAdapter, LoraModuleWeights
@@ -65,3 +66,24 @@ def random_adapter(
                 a=torch.randn(r, in_f, generator=gen), b=torch.randn(out_f, r, generator=gen),
             ))
     return LoraAdapter(name=name, modules=tuple(mods), max_rank=max(m.rank for m in mods))
+
+
+def adapter_of_pages(pager, rng, n_pages, name="a"):
+    """A random adapter that takes exactly n_pages pages (q_proj on layer 0, rank chosen to fit)."""
+    g = pager.geometry
+    rows_per_rank = (48 + 48) // g.row_width  # q_proj: A and B^T
+    rank = n_pages * g.rows_per_page // rows_per_rank
+    adapter = random_adapter(TINY, rng, ranks=(rank, rank), name=name, layers=[0], modules=["q_proj"])
+    assert g.adapter_num_pages(adapter) == n_pages
+    return adapter
+
+
+def snapshot(pager):
+    return pager.stats(), pager.pool.kind.copy(), pager.pool.owner.copy(), pager.pool.free_pages()
+
+
+def assert_unchanged(pager, snap):
+    stats, kind, owner, free = snap
+    assert pager.stats() == stats
+    assert np.array_equal(pager.pool.kind, kind) and np.array_equal(pager.pool.owner, owner)
+    assert np.array_equal(pager.pool.free_pages(), free)

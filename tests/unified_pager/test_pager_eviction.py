@@ -10,37 +10,16 @@ import torch
 
 from loraplex.errors import AdapterNotFoundError, CapacityError
 from loraplex.unified_pager.pool import KV
-from pager_testkit import TINY, random_adapter, small_pager
+from pager_testkit import TINY, adapter_of_pages, assert_unchanged, small_pager, snapshot
 
 L = TINY.num_layers  # pages per KV block
-
-
-def _adapter_of_pages(pager, rng, n_pages, name="a"):
-    """A random adapter that takes exactly n_pages pages (q_proj on layer 0, rank chosen to fit)."""
-    g = pager.geometry
-    rows_per_rank = (48 + 48) // g.row_width  # q_proj: A and B^T
-    rank = n_pages * g.rows_per_page // rows_per_rank
-    adapter = random_adapter(TINY, rng, ranks=(rank, rank), name=name, layers=[0], modules=["q_proj"])
-    assert g.adapter_num_pages(adapter) == n_pages
-    return adapter
-
-
-def _snapshot(pager):
-    return pager.stats(), pager.pool.kind.copy(), pager.pool.owner.copy(), pager.pool.free_pages()
-
-
-def _assert_unchanged(pager, snap):
-    stats, kind, owner, free = snap
-    assert pager.stats() == stats
-    assert np.array_equal(pager.pool.kind, kind) and np.array_equal(pager.pool.owner, owner)
-    assert np.array_equal(pager.pool.free_pages(), free)
 
 
 def test_kv_evicts_idle_adapters_least_recently_used_first():
     rng = random.Random()
     pager = small_pager(30)  # 10 KV blocks of 3 layers
     for k in range(4):
-        assert pager.load_adapter(k, _adapter_of_pages(pager, rng, 6)) is not None
+        assert pager.load_adapter(k, adapter_of_pages(pager, rng, 6)) is not None
     assert pager.stats().free_pages == 6
     pager.get_adapter(0)  # LRU order is now 1, 2, 3, 0
     assert pager.allocate_kv("s", 2 * 4)  # 2 blocks = 6 pages: fits without eviction
@@ -57,20 +36,20 @@ def test_kv_evicts_idle_adapters_least_recently_used_first():
 def test_pinned_adapters_are_never_evicted_and_failure_changes_nothing():
     rng = random.Random()
     pager = small_pager(30)
-    pinned = pager.load_adapter("p", _adapter_of_pages(pager, rng, 12), pin=True)
-    idle = pager.load_adapter("i", _adapter_of_pages(pager, rng, 6))
+    pinned = pager.load_adapter("p", adapter_of_pages(pager, rng, 12), pin=True)
+    idle = pager.load_adapter("i", adapter_of_pages(pager, rng, 6))
     assert pinned is not None and idle is not None
     assert pager.allocate_kv("s", 4)  # 3 pages
     table = pager.block_tables(["s"]).clone()
     pinned_rows = pager.pool.rows()[pinned.row_index].clone()
-    snap = _snapshot(pager)
+    snap = snapshot(pager)
     # 9 free + 6 evictable = 15 pages; 6 blocks x 3 layers = 18 needed: refused.
     assert not pager.allocate_kv("t", 6 * 4)
-    _assert_unchanged(pager, snap)
+    assert_unchanged(pager, snap)
     assert pager.is_resident("i") and pager.kv_num_blocks("t") == 0
     # Growing an existing sequence past the limit fails the same way and keeps its blocks.
     assert not pager.allocate_kv("s", 7 * 4)
-    _assert_unchanged(pager, snap)
+    assert_unchanged(pager, snap)
     assert torch.equal(pager.block_tables(["s"]), table)
     # 15 pages exactly: evicts the idle adapter, leaves the pinned one and its weights alone.
     assert pager.allocate_kv("t", 5 * 4)
@@ -79,9 +58,9 @@ def test_pinned_adapters_are_never_evicted_and_failure_changes_nothing():
     assert torch.equal(pager.block_tables(["s"]), table)
     assert pager.stats().free_pages == 0
     # Nothing left but the pinned adapter and KV: even one more block fails, changing nothing.
-    snap = _snapshot(pager)
+    snap = snapshot(pager)
     assert not pager.allocate_kv("u", 1)
-    _assert_unchanged(pager, snap)
+    assert_unchanged(pager, snap)
     pager.check_integrity()
     # Unpinned, it becomes evictable.
     pager.unpin("p")
@@ -92,18 +71,18 @@ def test_pinned_adapters_are_never_evicted_and_failure_changes_nothing():
 def test_adapter_load_evicts_only_when_that_makes_it_fit():
     rng = random.Random()
     pager = small_pager(30)
-    pager.load_adapter("a", _adapter_of_pages(pager, rng, 9))
-    pager.load_adapter("b", _adapter_of_pages(pager, rng, 9))
+    pager.load_adapter("a", adapter_of_pages(pager, rng, 9))
+    pager.load_adapter("b", adapter_of_pages(pager, rng, 9))
     pager.pin("b")
     assert pager.allocate_kv("s", 3 * 4)  # 9 pages; 3 free
-    snap = _snapshot(pager)
-    assert pager.load_adapter("c", _adapter_of_pages(pager, rng, 13)) is None  # 3 + 9 evictable < 13
-    _assert_unchanged(pager, snap)
-    res = pager.load_adapter("c", _adapter_of_pages(pager, rng, 12))  # 3 + 9 = 12: evicts a
+    snap = snapshot(pager)
+    assert pager.load_adapter("c", adapter_of_pages(pager, rng, 13)) is None  # 3 + 9 evictable < 13
+    assert_unchanged(pager, snap)
+    res = pager.load_adapter("c", adapter_of_pages(pager, rng, 12))  # 3 + 9 = 12: evicts a
     assert res is not None and not pager.is_resident("a") and pager.is_resident("b")
     assert pager.stats().adapter_evictions == 1
     with pytest.raises(CapacityError):
-        pager.load_adapter("huge", _adapter_of_pages(pager, rng, 31))
+        pager.load_adapter("huge", adapter_of_pages(pager, rng, 31))
     with pytest.raises(CapacityError):
         pager.allocate_kv("long", 11 * 4)  # 11 blocks x 3 layers > 30 pages: can never fit
     assert pager.can_ever_fit(30) and not pager.can_ever_fit(31)
@@ -113,8 +92,8 @@ def test_adapter_load_evicts_only_when_that_makes_it_fit():
 def test_pins_are_reference_counted():
     rng = random.Random()
     pager = small_pager(30)
-    res = pager.load_adapter("a", _adapter_of_pages(pager, rng, 6))
-    assert pager.load_adapter("a", _adapter_of_pages(pager, rng, 3)) is res  # resident: same record
+    res = pager.load_adapter("a", adapter_of_pages(pager, rng, 6))
+    assert pager.load_adapter("a", adapter_of_pages(pager, rng, 3)) is res  # resident: same record
     pager.pin("a")
     assert pager.load_adapter("a", None, pin=True) is res
     assert pager.pin_count("a") == 2 and pager.stats().pinned_adapters == 1
@@ -184,7 +163,7 @@ def test_integrity_check_catches_corruption():
     def fresh():
         p = small_pager(30)
         p.allocate_kv("s", 9)
-        p.load_adapter("a", _adapter_of_pages(p, rng, 6))
+        p.load_adapter("a", adapter_of_pages(p, rng, 6))
         p.check_integrity()
         return p
 
