@@ -47,7 +47,8 @@ def huge_page_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:  # [numel]
     could reuse heap memory already touched with 4 KiB pages, which the advice does not turn huge. That
     happened to buffers of 40 MiB and more once glibc kept freed memory in the heap
     (engine/host_memory.py's trim threshold) and earlier engines of the same process had freed theirs.
-    Elsewhere, torch.empty. Costs at most 2 MiB of address space more than numel elements."""
+    Costs at most 2 MiB of address space more than numel elements. A buffer under 2 MiB (no whole huge page to
+    give it) or off Linux is a plain torch.empty, on no particular boundary."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = numel * itemsize
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
