@@ -133,6 +133,8 @@ def _snapshot(state: ServerState) -> Iterable:
                        {"waiting": s.num_waiting, "running": s.num_running})
         yield gauge_by("loraplex_pool_pages", "Device page pool by use", "kind",
                        {"kv": s.kv_pages, "adapter": s.adapter_pages, "free": s.free_pages})
+        yield gauge("loraplex_kv_reserved_pages", "Pages of KV blocks reserved ahead of their tokens (of kind kv), "
+                    "given back first when the pool runs short", s.kv_reserved_pages)
         yield gauge("loraplex_resident_adapters", "Adapters placed in the page pool", s.resident_adapters)
         yield counter("loraplex_preemptions", "Requests preempted for pages", s.num_preemptions)
         yield counter("loraplex_engine_steps", "Engine steps run", s.num_steps)

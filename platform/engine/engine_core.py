@@ -47,6 +47,7 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_tokens: int  # tokens run through the model over all steps: prompt chunks and decode tokens
+    kv_reserved_pages: int = 0  # of kv_pages, blocks reserved ahead of their tokens (EngineConfig.kv_reserve_tokens)
 
 
 class EngineCore:
@@ -319,4 +320,5 @@ class EngineCore:
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             num_tokens=self.num_tokens,
+            kv_reserved_pages=p.kv_reserved_pages,
         )

@@ -108,7 +108,7 @@ def test_metrics_exposes_tenant_series_and_gauges(live, traffic):
     assert 'loraplex_time_to_first_token_seconds_count{adapter="base",tenant="metered"}' in body
     for name in ("loraplex_queue_depth{state=\"waiting\"}", "loraplex_pool_pages{kind=\"kv\"}",
                  "loraplex_host_cache_hits_total", "loraplex_adapter_loads_total", "loraplex_metering_pending",
-                 "loraplex_engine_alive 1.0"):
+                 "loraplex_engine_alive 1.0", "loraplex_kv_reserved_pages "):
         assert name in body, name
     engine = {line.split()[0]: float(line.split()[1]) for line in body.splitlines()
               if line.startswith("loraplex_engine_") and not line.startswith("loraplex_engine_alive")}
