@@ -42,8 +42,10 @@ def _run(model_dir, reserve: int, pool_bytes: int, prompts, outputs, kernels: st
 @pytest.mark.parametrize("kernels", ["torch", "auto"])  # auto: the C++ kernels on a CPU where they build
 def test_a_reserve_changes_no_output_and_no_preemption(model_dir, pool_kib, kernels):
     rng = random.Random()
-    prompts = [[rng.randrange(3, 257) for _ in range(rng.randint(1, 40))] for _ in range(8)]
-    outputs = [rng.randint(1, 30) for _ in prompts]
+    # The 96 KiB pool holds 128 tokens: at least three requests of 24-40 prompt tokens run before one no longer
+    # fits, and their 20-30 outputs each outgrow what is left before any finishes, so it preempts.
+    prompts = [[rng.randrange(3, 257) for _ in range(rng.randint(24, 40))] for _ in range(8)]
+    outputs = [rng.randint(20, 30) for _ in prompts]
     exact = _run(model_dir, 0, pool_kib << 10, prompts, outputs, kernels)
     ahead = _run(model_dir, 16, pool_kib << 10, prompts, outputs, kernels)
     assert ahead[0] == exact[0] and ahead[1] == exact[1]
