@@ -39,23 +39,26 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
 
 
-def huge_page_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:  # [numel], zeros: untouched until filled
-    """A flat CPU buffer that starts on a 2 MiB boundary, advised (advise_huge_pages) before anything touches
-    it: every whole 2 MiB page of it can be a huge one, where a tensor of its own gets only the aligned pages
-    inside it. On Linux it is a private anonymous mapping of its own (freed with the last tensor that views it),
-    so its pages are fresh whatever the process allocated and freed before: from torch's allocator a buffer
-    could reuse heap memory already touched with 4 KiB pages, which the advice does not turn huge. That
-    happened to buffers of 40 MiB and more once glibc kept freed memory in the heap
-    (engine/host_memory.py's trim threshold) and earlier engines of the same process had freed theirs.
-    Costs at most 2 MiB of address space more than numel elements. A buffer under 2 MiB (no whole huge page to
-    give it) or off Linux is a plain torch.empty, on no particular boundary."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    nbytes = numel * itemsize
+def fresh_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:  # [numel], zeros: untouched until filled
+    """A flat CPU buffer that starts on a 2 MiB boundary, not yet advised nor touched. On Linux it is a private
+    anonymous mapping of its own (freed with the last tensor that views it), so its pages are fresh whatever the
+    process allocated and freed before: from torch's allocator a buffer could reuse heap memory already touched
+    with 4 KiB pages, which the huge-page advice does not turn huge. That happened to buffers of 40 MiB and more
+    once glibc kept freed memory in the heap (engine/host_memory.py's trim threshold) and earlier engines of the
+    same process had freed theirs. Costs at most 2 MiB of address space more than numel elements. A buffer under
+    2 MiB (no whole huge page to give it) or off Linux is a plain torch.empty, on no particular boundary."""
+    nbytes = numel * dtype.itemsize
     if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
         return torch.empty(numel, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until no tensor views it
     offset = -raw.data_ptr() % HUGE_PAGE
-    buf = raw[offset:offset + nbytes].view(dtype)
+    return raw[offset:offset + nbytes].view(dtype)
+
+
+def huge_page_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:  # [numel], zeros: untouched until filled
+    """fresh_buffer, advised (advise_huge_pages) before anything touches it: every whole 2 MiB page of it can be a
+    huge one, where a tensor of its own gets only the aligned pages inside it."""
+    buf = fresh_buffer(numel, dtype)
     advise_huge_pages(buf)
     return buf

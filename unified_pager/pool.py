@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .geometry import PoolGeometry
-from .huge_pages import advise_huge_pages, huge_page_buffer
+from .huge_pages import advise_huge_pages, fresh_buffer
 
 # Page kinds in PagePool.kind.
 FREE = 0
@@ -37,7 +37,7 @@ class PagePool:
         # use huge pages before the zeroing touches it (huge_pages.py), on a mapping of its own there.
         shape = (geometry.num_pages, geometry.page_elems)
         if self.device.type == "cpu":
-            self.tensor = huge_page_buffer(shape[0] * shape[1], geometry.dtype).view(shape)
+            self.tensor = fresh_buffer(shape[0] * shape[1], geometry.dtype).view(shape)
         else:
             self.tensor = torch.empty(shape, dtype=geometry.dtype, device=self.device)
         self.huge_pages = advise_huge_pages(self.tensor)
