@@ -35,6 +35,8 @@ class PagePool:
         # Zeroed, not empty: attention over a partly filled block multiplies unused slots by a zero
         # weight, and 0 * NaN from uninitialised memory would still poison the output. Advised to
         # use huge pages before the zeroing touches it (huge_pages.py), on a mapping of its own there.
+        # A fresh mapping already reads as zeros; zeroing it anyway faults its pages in now, huge where the
+        # advice holds, rather than page by page in the first steps that write KV or adapters.
         shape = (geometry.num_pages, geometry.page_elems)
         if self.device.type == "cpu":
             self.tensor = fresh_buffer(shape[0] * shape[1], geometry.dtype).view(shape)

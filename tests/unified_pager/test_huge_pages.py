@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loraplex.engine.host_memory import retain_freed_memory
-from loraplex.unified_pager.huge_pages import HUGE_PAGE, advise_huge_pages, huge_page_buffer
+from loraplex.unified_pager.huge_pages import HUGE_PAGE, advise_huge_pages, fresh_buffer, huge_page_buffer
 from loraplex.unified_pager.pool import PagePool
 from pager_testkit import TINY, geometry_with_pages
 
@@ -57,10 +57,10 @@ def test_small_tensors_and_other_devices_are_left_alone():
 @pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() in (None, "never"),
                     reason="transparent huge pages are not available here")
 def test_advised_memory_is_backed_by_huge_pages_once_touched():
-    # 64 MiB on a mapping of its own, so untouched: torch.empty may hand out heap memory that earlier tests
-    # touched and freed (engine/host_memory.py keeps it in the process), which the advice does not turn huge.
-    mapping = mmap.mmap(-1, 64 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(mapping, dtype=torch.float32)
+    # 64 MiB on a mapping of its own (fresh_buffer, not yet advised), so untouched: torch.empty may hand out heap
+    # memory that earlier tests touched and freed (engine/host_memory.py keeps it in the process), which the advice
+    # does not turn huge.
+    t = fresh_buffer(64 * HUGE_PAGE // 4, torch.float32)
     assert advise_huge_pages(t)
     t.zero_()
     assert _huge_kib_of(t.data_ptr() + 32 * HUGE_PAGE) > 0
